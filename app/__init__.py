@@ -1,0 +1,1 @@
+"""The `llmlocal` command line and the chat TUI."""

@@ -1,0 +1,1 @@
+"""One module per `llmlocal` subcommand: each adds its parser and calls library functions."""

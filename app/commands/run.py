@@ -1,0 +1,104 @@
+"""`llmlocal run PROMPT`: one completion, streamed to stdout, or one JSON object with --json.
+
+Examples:
+
+    llmlocal run "Name three rivers in Africa."
+    llmlocal run "Write a haiku about rain." --temperature 0 --max-tokens 40
+    llmlocal run "Summarise this:" --system "You are terse." --json
+    cat notes.txt | llmlocal run - --max-tokens 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..options import add_model_options, add_sampling_options, plan_from_args, sampling_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="one completion, streamed to stdout",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="the user message; '-' reads it from stdin")
+    add_model_options(p)
+    add_sampling_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and stats")
+    p.add_argument("--verbose", "-v", action="store_true", help="print stats to stderr after the reply")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmlocal.engine import DoneEvent, Engine, Request
+    from llmlocal.models.errors import LLMLocalError
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise LLMLocalError("The prompt is empty: pass the text to send, or '-' to read it from stdin.")
+    sampling = sampling_from_args(args)
+    plan = plan_from_args(args)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+
+    with Engine.load(plan) as engine:
+        request = Request.chat(messages, sampling)
+        stream = engine.generate(request)
+        done: DoneEvent | None = None
+        try:
+            for event in stream:
+                if isinstance(event, DoneEvent):
+                    done = event
+                elif not args.json and event.text:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            # Stop the backend, then drain: the stream ends with a 'cancelled' DoneEvent.
+            engine.cancel(request.id)
+            for event in stream:
+                if isinstance(event, DoneEvent):
+                    done = event
+        assert done is not None, "a stream always ends with a DoneEvent"
+
+        if args.json:
+            print(json.dumps(_result(done, engine.model.name), ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+            if args.verbose:
+                _print_stats(done)
+        return 130 if done.finish_reason == "cancelled" else 0
+
+
+def _result(done: Any, model: str) -> dict[str, Any]:
+    stats = done.stats.to_dict()
+    out: dict[str, Any] = {
+        "text": done.text,
+        "model": model,
+        "backend": stats.pop("backend"),
+        "device": stats.pop("device"),
+        "finish_reason": done.finish_reason,
+        "prompt_tokens": stats.pop("prompt_tokens"),
+        "completion_tokens": stats.pop("completion_tokens"),
+        "ttft_s": stats.pop("ttft_s", None),
+        "decode_tok_s": stats.pop("decode_tok_s", None),
+    }
+    out.update(stats)
+    return out
+
+
+def _print_stats(done: Any) -> None:
+    s = done.stats
+    parts = [f"{s.backend} on {s.device}", f"prompt {s.prompt_tokens} tok", f"reply {s.completion_tokens} tok"]
+    if s.ttft_s is not None:
+        parts.append(f"TTFT {s.ttft_s * 1000:.0f} ms")
+    if s.decode_tok_s is not None:
+        parts.append(f"{s.decode_tok_s:.1f} tok/s")
+    if s.itl_ms_p50 is not None:
+        parts.append(f"ITL p50 {s.itl_ms_p50:.1f} ms, p95 {s.itl_ms_p95:.1f} ms")
+    parts.append(f"finish: {done.finish_reason}")
+    print("  ".join(parts), file=sys.stderr)

@@ -1,0 +1,58 @@
+"""Options shared by several commands, and their translation into engine objects."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # keep `--help` free of engine imports
+    from llmlocal.engine import Plan, SamplingParams
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", "-m", default=None, metavar="M",
+                   help="model name or path to a .gguf file (default: smollm2-135m, bundled)")
+    g.add_argument("--backend", default="auto", choices=["auto", "llamacpp"],
+                   help="engine backend (default: auto)")
+    g.add_argument("--ctx", type=int, default=None, metavar="N",
+                   help="context window in tokens (default: the model's, up to 8192)")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: physical cores)")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, max_tokens_default: int | None = None) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--system", "-s", default=None, metavar="S", help="system prompt")
+    g.add_argument("--max-tokens", "-n", type=int, default=max_tokens_default, metavar="N",
+                   help="stop after N tokens (default: when the model stops or the context is full)")
+    g.add_argument("--temperature", "-t", type=float, default=0.8, metavar="T",
+                   help="sampling temperature; 0 is greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, default=40, metavar="K", help="default: 40 (0 disables)")
+    g.add_argument("--top-p", type=float, default=0.95, metavar="P", help="default: 0.95")
+    g.add_argument("--min-p", type=float, default=0.05, metavar="P", help="default: 0.05")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R", help="default: 1.0 (off)")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when TEXT is generated (repeatable)")
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    from llmlocal.engine import Plan
+
+    return Plan(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads)
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    from llmlocal.engine import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )

@@ -1,0 +1,21 @@
+"""The engine: the `Engine` API, its backends, and what they share (plans, requests, stats).
+
+Importing this package is cheap: backends import their heavy libraries when loaded.
+"""
+
+from .engine import ContextOverflowError, Engine
+from .plan import Plan
+from .types import DoneEvent, Event, Message, Request, SamplingParams, Stats, TokenEvent
+
+__all__ = [
+    "ContextOverflowError",
+    "DoneEvent",
+    "Engine",
+    "Event",
+    "Message",
+    "Plan",
+    "Request",
+    "SamplingParams",
+    "Stats",
+    "TokenEvent",
+]

@@ -1,0 +1,1 @@
+"""Engine backends. Each module imports its heavy dependencies itself, when loaded."""

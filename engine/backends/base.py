@@ -1,0 +1,33 @@
+"""What every backend implements; the `Engine` wraps one of these."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Protocol
+
+from ..types import Event, Request
+
+
+class Backend(Protocol):
+    name: str  # "llamacpp", "paged", ...
+    device: str  # "cpu", "cuda:0", ...
+    n_ctx: int  # context window in tokens
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special`` adds BOS where the model wants one."""
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def generate(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
+        """Stream the reply to ``prompt_ids``; stop within one token once ``cancel`` is set.
+
+        The last event is a `DoneEvent`. The backend may assume ``len(prompt_ids) < n_ctx``.
+        """
+        ...
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 (so len(token_ids) - 1 values)."""
+        ...
+
+    def close(self) -> None: ...

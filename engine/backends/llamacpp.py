@@ -1,0 +1,186 @@
+"""Backend `llamacpp`: dense GGUF inference through llama-cpp-python.
+
+llama.cpp holds one sequence in its KV cache. Requests are served one at a time (a lock);
+consecutive requests that share a prefix — the turns of one chat — reuse the cached KV of
+that prefix, which `Llama.generate` finds by comparing token ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+
+from llmlocal.models import ResolvedModel
+from llmlocal.models.errors import ModelFormatError
+
+from ..detokenize import TextStream
+from ..hardware import physical_cores
+from ..plan import Plan
+from ..stats import StatsRecorder
+from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent
+
+
+class LlamaCppBackend:
+    name = "llamacpp"
+
+    def __init__(self, llm: Any, model: ResolvedModel, n_ctx: int, device: str) -> None:
+        self._llm = llm
+        self._model = model
+        self.n_ctx = n_ctx
+        self.device = device
+        self._lock = threading.Lock()  # one request at a time: llama.cpp holds one sequence
+
+    @classmethod
+    def load(cls, model: ResolvedModel, plan: Plan) -> LlamaCppBackend:
+        import llama_cpp
+
+        n_ctx = plan.n_ctx or model.spec.context_length
+        threads = plan.threads or physical_cores()
+        gpu_layers = plan.gpu_layers if plan.device != "cpu" else 0
+        try:
+            llm = llama_cpp.Llama(
+                model_path=model.path,
+                n_ctx=n_ctx,
+                n_batch=min(plan.n_batch, n_ctx),
+                n_ubatch=min(plan.n_batch, n_ctx),
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_gpu_layers=gpu_layers,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError) as e:
+            raise ModelFormatError(
+                f"llama.cpp could not load {model.path} (architecture '{model.spec.architecture}'): "
+                "this llama.cpp build may not support it; use another model or upgrade llama-cpp-python."
+            ) from e
+        on_gpu = gpu_layers > 0 and bool(llama_cpp.llama_supports_gpu_offload())
+        return cls(llm, model, n_ctx, "cuda" if on_gpu else "cpu")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._llm.close()
+
+    # ---- tokens --------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        # special=True: control tokens written by the chat template (<|im_start|>) are parsed
+        # as the single tokens they are, not as text.
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._llm.detokenize(token_ids).decode("utf-8", errors="replace")
+
+    def _is_eog(self, token: int) -> bool:
+        import llama_cpp
+
+        return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
+        recorder = StatsRecorder(self.name, self.device)
+        with self._lock:
+            yield from self._generate_locked(request, prompt_ids, cancel, recorder)
+
+    def _generate_locked(
+        self, request: Request, prompt_ids: list[int], cancel: threading.Event, recorder: StatsRecorder
+    ) -> Iterator[Event]:
+        llm = self._llm
+        p = request.sampling
+        cached = _common_prefix(llm._input_ids.tolist(), prompt_ids)
+        # Llama.generate re-evaluates at least the last prompt token to get fresh logits.
+        cached = min(cached, len(prompt_ids) - 1)
+        llm.set_seed(p.seed if p.seed is not None else random.getrandbits(31))
+        llm.last_n_tokens_size = p.repeat_last_n
+
+        text = TextStream(p.stop)
+        completion: list[int] = []
+        finish: FinishReason = "cancelled" if cancel.is_set() else "stop"
+        room = self.n_ctx - len(prompt_ids)  # tokens that fit after the prompt
+        tokens = llm.generate(
+            prompt_ids,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            temp=p.temperature,
+            repeat_penalty=p.repeat_penalty,
+            reset=True,
+        )
+        try:
+            while not cancel.is_set():
+                token = next(tokens, None)
+                if token is None or self._is_eog(token):
+                    finish = "stop"
+                    break
+                completion.append(token)
+                recorder.token()
+                piece = text.feed(llm.detokenize([token], prev_tokens=None))
+                yield TokenEvent(piece, (token,))
+                if text.stopped:
+                    finish = "stop"
+                    break
+                if p.max_tokens is not None and len(completion) >= p.max_tokens:
+                    finish = "length"
+                    break
+                if len(completion) >= room:
+                    finish = "context"
+                    break
+            else:
+                finish = "cancelled"
+        finally:
+            tokens.close()
+        tail = text.flush()
+        if tail:
+            yield TokenEvent(tail, ())
+        stats = recorder.finish(len(prompt_ids), cached_prompt_tokens=cached, n_ctx=self.n_ctx)
+        yield DoneEvent(text.text, finish, stats)
+
+    # ---- scoring -------------------------------------------------------------------------
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probabilities of each token given those before it, from one teacher-forced pass."""
+        import llama_cpp
+
+        if len(token_ids) < 2:
+            return []
+        llm = self._llm
+        n_vocab = llm.n_vocab()
+        out = np.empty(len(token_ids) - 1, dtype=np.float64)
+        with self._lock:
+            llm.reset()
+            llm._ctx.kv_cache_clear()
+            n_batch = llm.n_batch
+            for start in range(0, len(token_ids), n_batch):
+                chunk = token_ids[start : start + n_batch]
+                llm._batch.set_batch(batch=chunk, n_past=start, logits_all=True)
+                llm._ctx.decode(llm._batch)
+                # (len(chunk), n_vocab): logits at every position of the chunk
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm._ctx.ctx), shape=(len(chunk) * n_vocab,))
+                logits = logits.reshape(len(chunk), n_vocab).astype(np.float64)
+                logprobs = logits - _logsumexp(logits)
+                # position i predicts token i + 1
+                for i in range(len(chunk)):
+                    j = start + i
+                    if j + 1 < len(token_ids):
+                        out[j] = logprobs[i, token_ids[j + 1]]
+            # The KV cache now holds the scored text, not a chat: forget it.
+            llm.reset()
+            llm._ctx.kv_cache_clear()
+        return out.tolist()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    # (rows, vocab) -> (rows, 1)
+    m = x.max(axis=1, keepdims=True)
+    return m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+

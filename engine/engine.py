@@ -1,0 +1,153 @@
+"""`Engine`: the one API between the app and every backend.
+
+    engine = Engine.load(Plan(model="smollm2-135m"))
+    for event in engine.generate(Request.chat([{"role": "user", "content": "Hi"}])):
+        ...  # TokenEvent(text, token_ids) ... DoneEvent(text, finish_reason, stats)
+
+The engine renders chat messages with the model's template, checks the prompt fits the
+context window, tracks cancellation per request, and delegates the rest to the backend.
+`generate` may be called from several threads; a backend that cannot batch serves the
+requests one at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Mapping, Sequence
+
+from llmlocal.models import ResolvedModel, resolve
+from llmlocal.models.errors import LLMLocalError
+
+from .backends.base import Backend
+from .chat_template import CHATML_TEMPLATE, ChatTemplate
+from .plan import DEFAULT_MAX_CTX, Plan
+from .types import Event, Message, Request
+
+
+class ContextOverflowError(LLMLocalError):
+    """The prompt does not fit the context window."""
+
+
+class Engine:
+    def __init__(self, backend: Backend, model: ResolvedModel, plan: Plan) -> None:
+        self.backend = backend
+        self.model = model
+        self.plan = plan
+        spec = model.spec
+        self.template = ChatTemplate(
+            spec.chat_template or CHATML_TEMPLATE,
+            bos_token=spec.special.bos or "",
+            eos_token=spec.special.eos or "",
+        )
+        self._cancels: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, plan: Plan | None = None) -> Engine:
+        """Resolve the plan's model and load it in the plan's backend."""
+        plan = plan or Plan()
+        model = resolve(plan.model)
+        n_ctx = plan.n_ctx or min(model.spec.context_length, DEFAULT_MAX_CTX)
+        plan = plan.replace(n_ctx=n_ctx)
+        backend_name = plan.backend if plan.backend != "auto" else "llamacpp"
+        if backend_name == "llamacpp":
+            from .backends.llamacpp import LlamaCppBackend
+
+            backend: Backend = LlamaCppBackend.load(model, plan)
+        else:  # Plan validates the name; a new backend must be wired in here.
+            raise LLMLocalError(f"The backend '{backend_name}' is not available in this build.")
+        return cls(backend, model, plan.replace(backend=backend_name))
+
+    def close(self) -> None:
+        self.cancel()
+        self.backend.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- facts ---------------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self.backend.n_ctx
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @property
+    def device(self) -> str:
+        return self.backend.device
+
+    # ---- prompts -------------------------------------------------------------------------
+    def render(self, messages: Sequence[Message | Mapping[str, str]]) -> str:
+        """The prompt text the model sees for a conversation (generation prompt appended)."""
+        return self.template.render([Message.coerce(m) for m in messages])
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.backend.tokenize(text, add_special=add_special)
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        if request.prompt is not None:
+            return self.tokenize(request.prompt)
+        text = self.template.render(request.messages)
+        # The template writes BOS itself when the model wants one; add it only if it did not.
+        bos = self.model.spec.special.bos
+        add_bos = not (bos and text.startswith(bos))
+        return self.tokenize(text, add_special=add_bos)
+
+    def count_tokens(self, messages: Sequence[Message | Mapping[str, str]]) -> int:
+        """Prompt tokens of a conversation: what the app compares with `n_ctx`."""
+        return len(self.prompt_ids(Request.chat(messages)))
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(self, request: Request) -> Iterator[Event]:
+        """Stream events for ``request``. Raises `ContextOverflowError` before streaming if the
+        prompt leaves no room for a reply."""
+        prompt_ids = self.prompt_ids(request)
+        if len(prompt_ids) >= self.n_ctx:
+            spec = self.model.spec
+            fix = (
+                f"shorten it or pass --ctx {min(spec.context_length, _round_up(len(prompt_ids) * 2))}"
+                if self.n_ctx < spec.context_length
+                else f"shorten it (this model's maximum is {spec.context_length})"
+            )
+            raise ContextOverflowError(
+                f"The prompt is {len(prompt_ids)} tokens but the context window is {self.n_ctx}: {fix}."
+            )
+        cancel = threading.Event()
+        with self._lock:
+            if request.id in self._cancels:
+                raise LLMLocalError(f"Request id {request.id} is already running: use a new id.")
+            self._cancels[request.id] = cancel
+        return self._stream(request, prompt_ids, cancel)
+
+    def _stream(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
+        try:
+            yield from self.backend.generate(request, prompt_ids, cancel)
+        finally:
+            with self._lock:
+                self._cancels.pop(request.id, None)
+
+    def cancel(self, request_id: str | None = None) -> None:
+        """Stop a running request (all of them when ``request_id`` is None) within one token."""
+        with self._lock:
+            targets = list(self._cancels.values()) if request_id is None else [self._cancels.get(request_id)]
+        for event in targets:
+            if event is not None:
+                event.set()
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Per-position log-probabilities of ``token_ids`` (len - 1 values)."""
+        if len(token_ids) > self.n_ctx:
+            raise ContextOverflowError(
+                f"Cannot score {len(token_ids)} tokens in a context window of {self.n_ctx}: score shorter windows."
+            )
+        return self.backend.score(token_ids)
+
+
+def _round_up(n: int, to: int = 1024) -> int:
+    return (n + to - 1) // to * to

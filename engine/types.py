@@ -1,0 +1,142 @@
+"""The values that cross the engine boundary: requests in, events out."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Mapping, Sequence, Union
+
+from llmlocal.models.errors import LLMLocalError
+
+Role = Literal["system", "user", "assistant"]
+FinishReason = Literal["stop", "length", "context", "cancelled"]
+# stop      the model ended its reply (end-of-generation token) or a stop string matched
+# length    max_tokens were generated
+# context   the context window is full; the reply was cut there
+# cancelled Engine.cancel() or the consumer closed the stream
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    content: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ("system", "user", "assistant"):
+            raise LLMLocalError(f"Unknown chat role '{self.role}': use system, user or assistant.")
+
+    @classmethod
+    def coerce(cls, value: Message | Mapping[str, str]) -> Message:
+        if isinstance(value, Message):
+            return value
+        return cls(role=value["role"], content=value["content"])  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` is greedy decoding.
+
+    Defaults follow llama.cpp's. ``max_tokens=None`` generates until the model stops or the
+    context is full.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise LLMLocalError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}.")
+        if self.top_k < 0:
+            raise LLMLocalError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
+        if not 0 < self.top_p <= 1:
+            raise LLMLocalError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0 <= self.min_p < 1:
+            raise LLMLocalError(f"min_p must be in [0, 1), got {self.min_p}.")
+        if self.repeat_penalty <= 0:
+            raise LLMLocalError(f"repeat_penalty must be > 0 (1 disables it), got {self.repeat_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise LLMLocalError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if any(not s for s in self.stop):
+            raise LLMLocalError("Stop strings must not be empty.")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One completion: chat ``messages`` rendered with the model's template, or a raw ``prompt``."""
+
+    messages: tuple[Message, ...] = ()
+    prompt: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        msgs = tuple(Message.coerce(m) for m in self.messages)
+        object.__setattr__(self, "messages", msgs)
+        if (self.prompt is None) == (not msgs):
+            raise LLMLocalError("A request needs either chat messages or a raw prompt, not both.")
+
+    @classmethod
+    def chat(
+        cls, messages: Sequence[Message | Mapping[str, str]], sampling: SamplingParams | None = None, **kw: Any
+    ) -> Request:
+        return cls(messages=tuple(Message.coerce(m) for m in messages), sampling=sampling or SamplingParams(), **kw)
+
+
+@dataclass
+class Stats:
+    """Figures of one request, shared by every backend. ``None`` means 'not reported'."""
+
+    backend: str
+    device: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int | None = None
+    n_ctx: int | None = None
+    ttft_s: float | None = None  # request start -> first token
+    prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None  # tokens after the first / time after the first
+    itl_ms_p50: float | None = None  # inter-token latency
+    itl_ms_p95: float | None = None
+    total_s: float | None = None
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
+    kv_blocks_used: int | None = None
+    kv_blocks_total: int | None = None
+    achieved_sparsity: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Reported fields only."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Text of one or more new tokens (text may be empty while a UTF-8 character or a
+    possible stop string is incomplete)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The last event of every stream."""
+
+    text: str  # the whole reply, stop string excluded
+    finish_reason: FinishReason
+    stats: Stats
+
+
+Event = Union[TokenEvent, DoneEvent]

@@ -1,0 +1,23 @@
+"""Model names -> files, and what a file holds (`ModelSpec`) without loading weights."""
+
+from .errors import LLMLocalError, ModelFormatError, ModelNotFoundError
+from .gguf_header import GGUFHeader, TensorInfo, read_gguf_header
+from .resolve import DEFAULT_MODEL, STARTER_MODELS, ResolvedModel, resolve, starter_path
+from .spec import ModelSpec, SpecialTokens, spec_from_gguf
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "STARTER_MODELS",
+    "GGUFHeader",
+    "LLMLocalError",
+    "ModelFormatError",
+    "ModelNotFoundError",
+    "ModelSpec",
+    "ResolvedModel",
+    "SpecialTokens",
+    "TensorInfo",
+    "read_gguf_header",
+    "resolve",
+    "spec_from_gguf",
+    "starter_path",
+]

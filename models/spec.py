@@ -1,0 +1,202 @@
+"""`ModelSpec`: what llmlocal knows about a model before loading a single weight."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ModelFormatError
+from .gguf_header import ArrayInfo, TensorInfo, read_gguf_header
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    unk_id: int | None = None
+    bos: str | None = None
+    eos: str | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture, shapes, tensor directory and tokenizer facts of one model file."""
+
+    path: str
+    format: str  # "gguf"
+    name: str
+    architecture: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ffn: int
+    vocab_size: int
+    context_length: int
+    rope_freq_base: float | None
+    norm_eps: float | None
+    file_type: str | None
+    tensors: tuple[TensorInfo, ...]
+    chat_template: str | None
+    special: SpecialTokens
+    tokenizer_model: str | None
+    tokens: tuple[str, ...] = field(repr=False, default=())
+    metadata: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all tensors as stored in the file."""
+        return sum(t.n_bytes for t in self.tensors)
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    @property
+    def tensor_types(self) -> dict[str, int]:
+        """Tensor type name -> bytes stored in that type."""
+        counts: Counter[str] = Counter()
+        for t in self.tensors:
+            counts[t.type_name] += t.n_bytes
+        return dict(counts)
+
+    def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> int:
+        """K and V for one token across all layers: 2 x layers x KV heads x head dim x bytes."""
+        return int(2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_value)
+
+    @property
+    def vocab_fingerprint(self) -> str:
+        """A hash of the token strings: two models with equal fingerprints share a tokenizer."""
+        h = hashlib.sha256()
+        for tok in self.tokens:
+            h.update(tok.encode("utf-8", errors="replace"))
+            h.update(b"\0")
+        return h.hexdigest()[:16]
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-friendly description (what `models info` prints)."""
+        return {
+            "path": self.path,
+            "name": self.name,
+            "architecture": self.architecture,
+            "layers": self.n_layers,
+            "d_model": self.d_model,
+            "heads": self.n_heads,
+            "kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "d_ffn": self.d_ffn,
+            "vocab_size": self.vocab_size,
+            "context_length": self.context_length,
+            "file_type": self.file_type,
+            "params": self.n_params,
+            "weight_bytes": self.weight_bytes,
+            "tensor_types": self.tensor_types,
+            "has_chat_template": self.chat_template is not None,
+            "bos": self.special.bos,
+            "eos": self.special.eos,
+        }
+
+
+def _first_int(value: Any) -> int | None:
+    """Per-layer arrays (some architectures vary head counts by layer) -> their maximum."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return max(int(v) for v in value) if value else None
+    return int(value)
+
+
+def _file_type_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        from gguf.constants import LlamaFileType
+
+        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
+    except (ValueError, ImportError):
+        return str(value)
+
+
+def spec_from_gguf(path: str | os.PathLike[str]) -> ModelSpec:
+    """Read a `ModelSpec` from a GGUF header (no tensor data is read)."""
+    path = os.fspath(path)
+    header = read_gguf_header(path)
+    md = header.metadata
+    arch = md.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFormatError(f"{path} has no 'general.architecture' in its header: it is not a model GGUF.")
+
+    def key(suffix: str) -> Any:
+        return md.get(f"{arch}.{suffix}")
+
+    n_layers = _first_int(key("block_count"))
+    d_model = _first_int(key("embedding_length"))
+    n_heads = _first_int(key("attention.head_count"))
+    if not n_layers or not d_model or not n_heads:
+        raise ModelFormatError(
+            f"{path} lacks the '{arch}' shape keys (block_count, embedding_length, "
+            "attention.head_count): it is not a language-model GGUF llmlocal can run."
+        )
+    n_kv_heads = _first_int(key("attention.head_count_kv")) or n_heads
+    head_dim = _first_int(key("attention.key_length")) or d_model // n_heads
+
+    tokens_value = md.get("tokenizer.ggml.tokens")
+    tokens: tuple[str, ...] = tuple(tokens_value) if isinstance(tokens_value, list) else ()
+    if tokens:
+        vocab_size = len(tokens)
+    elif isinstance(tokens_value, ArrayInfo):
+        vocab_size = tokens_value.length
+    else:
+        vocab_size = _first_int(key("vocab_size")) or 0
+
+    def token_id(name: str) -> int | None:
+        v = md.get(f"tokenizer.ggml.{name}_token_id")
+        return int(v) if v is not None else None
+
+    def token_text(tid: int | None) -> str | None:
+        return tokens[tid] if tid is not None and 0 <= tid < len(tokens) else None
+
+    bos_id, eos_id = token_id("bos"), token_id("eos")
+    special = SpecialTokens(
+        bos_id=bos_id,
+        eos_id=eos_id,
+        pad_id=token_id("padding"),
+        unk_id=token_id("unknown"),
+        bos=token_text(bos_id),
+        eos=token_text(eos_id),
+        add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
+    )
+    rope = key("rope.freq_base")
+    eps = key("attention.layer_norm_rms_epsilon") or key("attention.layer_norm_epsilon")
+    scalars = {k: v for k, v in md.items() if not isinstance(v, (ArrayInfo, list)) or k.startswith("llmlocal.")}
+    return ModelSpec(
+        path=path,
+        format="gguf",
+        name=str(md.get("general.name") or os.path.splitext(os.path.basename(path))[0]),
+        architecture=arch,
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        d_ffn=_first_int(key("feed_forward_length")) or 0,
+        vocab_size=vocab_size,
+        context_length=_first_int(key("context_length")) or 2048,
+        rope_freq_base=float(rope) if rope is not None else None,
+        norm_eps=float(eps) if eps is not None else None,
+        file_type=_file_type_name(md.get("general.file_type")),
+        tensors=header.tensors,
+        chat_template=md.get("tokenizer.chat_template") if isinstance(md.get("tokenizer.chat_template"), str) else None,
+        special=special,
+        tokenizer_model=md.get("tokenizer.ggml.model"),
+        tokens=tokens,
+        metadata=scalars,
+    )

@@ -1,0 +1,1 @@
+"""Kernels: each a launcher, a pure reference, a test and a benchmark."""

@@ -1,0 +1,1 @@
+"""Conversion of Hugging Face checkpoints and GGUF files to GGUF, and quality evaluation."""
