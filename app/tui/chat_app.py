@@ -145,6 +145,7 @@ class ChatApp(App[None]):
         if message.request_id != self.request_id or self._reply is None:
             return  # a reply that was stopped or replaced
         self._reply.text += message.text
+        self._reply.chunks += 1
         await self._stream.write(message.text)
 
     async def on_reply_done(self, message: ReplyDone) -> None:

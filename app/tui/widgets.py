@@ -49,6 +49,7 @@ class AssistantMessage(Markdown):
     def __init__(self) -> None:
         super().__init__("", classes="message assistant")
         self.text = ""
+        self.chunks = 0  # pieces the reply arrived in: more than one means it streamed
         self.finish_reason: str | None = None
 
 

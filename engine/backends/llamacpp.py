@@ -89,9 +89,7 @@ class LlamaCppBackend:
     ) -> Iterator[Event]:
         llm = self._llm
         p = request.sampling
-        cached = _common_prefix(llm._input_ids.tolist(), prompt_ids)
-        # Llama.generate re-evaluates at least the last prompt token to get fresh logits.
-        cached = min(cached, len(prompt_ids) - 1)
+        cached = self._prefill_all_but_last(prompt_ids)
         llm.set_seed(p.seed if p.seed is not None else random.getrandbits(31))
         llm.last_n_tokens_size = p.repeat_last_n
 
@@ -136,6 +134,24 @@ class LlamaCppBackend:
             yield TokenEvent(tail, ())
         stats = recorder.finish(len(prompt_ids), cached_prompt_tokens=cached, n_ctx=self.n_ctx)
         yield DoneEvent(text.text, finish, stats)
+
+    def _prefill_all_but_last(self, prompt_ids: list[int]) -> int:
+        """Bring the KV cache to ``prompt_ids[:-1]``, reusing its longest cached prefix.
+
+        Returns how many prompt tokens came from the cache. The last prompt token is always
+        evaluated on its own (by `Llama.generate`), whether the rest was cached or not:
+        llama.cpp's kernels round differently for a one-token batch than for a long one, so
+        evaluating it the same way every time is what keeps greedy decoding of a repeated
+        request identical, cold or cached.
+        """
+        llm = self._llm
+        cached = min(_common_prefix(llm._input_ids.tolist(), prompt_ids), len(prompt_ids) - 1)
+        if cached == 0:
+            llm.reset()
+        llm.n_tokens = cached  # eval() drops the KV cache past n_tokens before appending
+        if cached < len(prompt_ids) - 1:
+            llm.eval(prompt_ids[cached:-1])
+        return cached
 
     # ---- scoring -------------------------------------------------------------------------
     def score(self, token_ids: list[int]) -> list[float]:

@@ -1,0 +1,104 @@
+"""The `llmlocal` command, run as users run it: in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+LLMLOCAL = [sys.executable, "-m", "llmlocal.app"]
+
+
+def llmlocal(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([*LLMLOCAL, *args], capture_output=True, text=True, input=stdin, timeout=timeout, env=env)
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], *phrases: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0]
+
+
+def test_version() -> None:
+    result = llmlocal("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == "llmlocal 0.1.0"
+
+
+def test_help_is_fast_and_does_not_import_torch() -> None:
+    code = (
+        "import sys, time; t = time.perf_counter()\n"
+        "from llmlocal.app.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "for m in ('torch', 'llama_cpp', 'textual', 'numpy'):\n    assert m not in sys.modules, m\n"
+        "print(time.perf_counter() - t, file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "chat" in result.stdout and "run" in result.stdout
+    assert float(result.stderr.strip()) < 1.0
+
+
+def test_run_json_prints_one_object_with_the_contract_keys() -> None:
+    result = llmlocal("run", "What color is the sky on a clear day?", "--json", "--temperature", "0", "--max-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)  # exactly one JSON document, nothing else on stdout
+    for key in ("text", "model", "backend", "prompt_tokens", "completion_tokens", "ttft_s", "decode_tok_s", "finish_reason"):
+        assert key in data, key
+    assert data["model"] == "smollm2-135m" and data["backend"] == "llamacpp"
+    assert data["completion_tokens"] == 16 and data["finish_reason"] == "length"
+    assert data["text"] and data["ttft_s"] > 0 and data["decode_tok_s"] > 0
+
+
+def test_run_streams_text_and_reads_stdin() -> None:
+    streamed = llmlocal("run", "-", "-t", "0", "-n", "12", stdin="What color is the sky on a clear day?")
+    as_json = llmlocal("run", "What color is the sky on a clear day?", "-t", "0", "-n", "12", "--json")
+    assert streamed.returncode == 0
+    assert streamed.stdout.strip() == json.loads(as_json.stdout)["text"].strip()
+
+
+def test_missing_model() -> None:
+    assert_user_error(llmlocal("run", "hi", "--model", "no-such-model"), "No model named 'no-such-model'", ".gguf")
+
+
+def test_missing_model_in_chat_is_reported_before_the_screen_opens() -> None:
+    assert_user_error(llmlocal("chat", "--model", "/nowhere/model.gguf"), "No model named")
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    assert_user_error(llmlocal("run", "hi", "--model", str(bad)), "not a GGUF file")
+
+
+def test_truncated_gguf(tmp_path: Path, starter_path: str) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(starter_path).read_bytes()[:40_000_000])
+    assert_user_error(llmlocal("run", "hi", "--model", str(cut)), "truncated", "again")
+
+
+def test_architecture_llama_cpp_cannot_load(make_gguf) -> None:
+    path = make_gguf(arch="notamodel")
+    assert_user_error(llmlocal("run", "hi", "--model", str(path)), "llama.cpp could not load", "notamodel")
+
+
+def test_prompt_longer_than_the_context() -> None:
+    result = llmlocal("run", "word " * 300, "--ctx", "128")
+    assert_user_error(result, "context window is 128", "--ctx")
+
+
+def test_invalid_sampling_value() -> None:
+    assert_user_error(llmlocal("run", "hi", "--top-p", "0"), "top_p")
+
+
+def test_empty_prompt() -> None:
+    assert_user_error(llmlocal("run", "   "), "prompt is empty")

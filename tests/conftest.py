@@ -1,0 +1,59 @@
+"""Shared fixtures: the real starter model, and small GGUF files built by the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from llmlocal.engine import Engine, Plan
+from llmlocal.models import resolve
+
+
+@pytest.fixture(scope="session")
+def starter_path() -> str:
+    return resolve().path
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    """The starter model in the llamacpp backend, shared by the tests that only read from it."""
+    with Engine.load(Plan(n_ctx=2048)) as e:
+        yield e
+
+
+@pytest.fixture
+def make_gguf(tmp_path: Path) -> Callable[..., Path]:
+    """Write a tiny GGUF with the given architecture name (shape keys and a toy vocab)."""
+
+    def make(arch: str = "llama", name: str = "tiny.gguf", layers: int = 1) -> Path:
+        import gguf
+
+        path = tmp_path / name
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_block_count(layers)
+        w.add_embedding_length(32)
+        w.add_feed_forward_length(64)
+        w.add_head_count(4)
+        w.add_head_count_kv(2)
+        w.add_context_length(128)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_tokenizer_model("gpt2")
+        tokens = ["<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)]
+        w.add_token_list(tokens)
+        w.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * 26)
+        w.add_token_merges([])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+        rng = np.random.default_rng(0)
+        w.add_tensor("token_embd.weight", rng.standard_normal((len(tokens), 32), dtype=np.float32))
+        w.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    return make

@@ -1,0 +1,158 @@
+"""The llamacpp backend on the real starter model."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from llmlocal.engine import ContextOverflowError, DoneEvent, Engine, Plan, Request, SamplingParams, TokenEvent
+
+GREEDY = SamplingParams(temperature=0, max_tokens=48)
+QUESTION = [{"role": "user", "content": "What color is the sky on a clear day?"}]
+LONG = [{"role": "user", "content": "Write the numbers from 1 to 300, separated by commas."}]
+
+
+def collect(engine: Engine, request: Request) -> tuple[list[TokenEvent], DoneEvent]:
+    tokens: list[TokenEvent] = []
+    done = None
+    for event in engine.generate(request):
+        if isinstance(event, DoneEvent):
+            done = event
+        else:
+            assert done is None, "no token may follow the DoneEvent"
+            tokens.append(event)
+    assert done is not None
+    return tokens, done
+
+
+def test_greedy_is_deterministic_and_non_empty(engine: Engine) -> None:
+    _, a = collect(engine, Request.chat(QUESTION, GREEDY))
+    _, b = collect(engine, Request.chat(QUESTION, GREEDY))
+    assert a.text.strip()
+    assert a.text == b.text
+    assert "blue" in a.text
+
+
+def test_streamed_text_and_stats_are_consistent(engine: Engine) -> None:
+    tokens, done = collect(engine, Request.chat(QUESTION, SamplingParams(temperature=0, max_tokens=12)))
+    assert "".join(t.text for t in tokens) == done.text
+    ids = [i for t in tokens for i in t.token_ids]
+    s = done.stats
+    assert s.completion_tokens == len(ids) == 12
+    assert done.finish_reason == "length"
+    assert s.prompt_tokens == len(engine.prompt_ids(Request.chat(QUESTION)))
+    assert s.ttft_s is not None and s.ttft_s > 0
+    assert s.decode_tok_s is not None and s.decode_tok_s > 0
+    assert s.itl_ms_p50 is not None and 0 < s.itl_ms_p50 <= s.itl_ms_p95
+    assert s.total_s >= s.ttft_s
+    assert (s.backend, s.device, s.n_ctx) == ("llamacpp", "cpu", engine.n_ctx)
+
+
+def test_model_stop_ends_with_reason_stop(engine: Engine) -> None:
+    _, done = collect(engine, Request.chat([{"role": "user", "content": "Say OK."}], SamplingParams(temperature=0, max_tokens=200)))
+    assert done.finish_reason == "stop"
+    assert done.stats.completion_tokens < 200
+    assert "<|im_end|>" not in done.text
+
+
+def test_stop_string_ends_generation_and_is_excluded(engine: Engine) -> None:
+    _, free = collect(engine, Request.chat(QUESTION, GREEDY))
+    word = free.text.split()[2]  # a word from the middle of the unconstrained reply
+    tokens, done = collect(engine, Request.chat(QUESTION, SamplingParams(temperature=0, max_tokens=48, stop=(word,))))
+    assert done.finish_reason == "stop"
+    assert word not in done.text
+    assert free.text.startswith(done.text)
+    assert "".join(t.text for t in tokens) == done.text
+
+
+def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234, max_tokens=24)
+    _, a = collect(engine, Request.chat(QUESTION, p))
+    _, b = collect(engine, Request.chat(QUESTION, p))
+    assert a.text == b.text
+    texts = {collect(engine, Request.chat(QUESTION, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0, seed=s, max_tokens=24)))[1].text for s in range(4)}
+    assert len(texts) > 1, "different seeds should give different samples at T=1"
+
+
+def test_cancel_stops_within_one_token(engine: Engine) -> None:
+    request = Request.chat(LONG, SamplingParams(temperature=0, max_tokens=500))
+    seen = 0
+    done = None
+    for event in engine.generate(request):
+        if isinstance(event, DoneEvent):
+            done = event
+            break
+        seen += len(event.token_ids)
+        if seen == 5:
+            engine.cancel(request.id)
+    assert done is not None and done.finish_reason == "cancelled"
+    assert done.stats.completion_tokens <= 6
+
+
+def test_cancel_from_another_thread(engine: Engine) -> None:
+    request = Request.chat(LONG, SamplingParams(temperature=0, max_tokens=1000))
+    timer = threading.Timer(0.5, engine.cancel, args=(request.id,))
+    timer.start()
+    start = time.perf_counter()
+    _, done = collect(engine, request)
+    assert done.finish_reason == "cancelled"
+    assert done.stats.completion_tokens < 1000
+    assert time.perf_counter() - start < 5
+
+
+def test_follow_up_turn_reuses_the_cached_prefix(engine: Engine) -> None:
+    first = [{"role": "user", "content": "Name a colour."}]
+    _, a = collect(engine, Request.chat(first, GREEDY))
+    follow = first + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "And another?"}]
+    _, b = collect(engine, Request.chat(follow, GREEDY))
+    prior = len(engine.prompt_ids(Request.chat(first)))
+    assert b.stats.cached_prompt_tokens is not None and b.stats.cached_prompt_tokens >= prior
+
+
+def test_prompt_longer_than_the_context_is_refused_before_streaming() -> None:
+    with Engine.load(Plan(n_ctx=64)) as small:
+        long = [{"role": "user", "content": "word " * 200}]
+        with pytest.raises(ContextOverflowError, match=r"context window is 64: shorten it or pass --ctx"):
+            small.generate(Request.chat(long))
+
+
+def test_reply_is_cut_when_the_context_fills() -> None:
+    with Engine.load(Plan(n_ctx=64)) as small:
+        request = Request.chat([{"role": "user", "content": "Tell me a long story."}], SamplingParams(temperature=0))
+        _, done = collect(small, request)
+        assert done.finish_reason == "context"
+        assert done.stats.prompt_tokens + done.stats.completion_tokens == 64
+
+
+def test_concurrent_requests_are_served_one_after_another(engine: Engine) -> None:
+    results: dict[int, str] = {}
+
+    def worker(i: int) -> None:
+        _, done = collect(engine, Request.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16)))
+        results[i] = done.text
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == 3 and len(set(results.values())) == 1
+
+
+def test_score_agrees_with_greedy_generation(engine: Engine) -> None:
+    request = Request.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16))
+    prompt = engine.prompt_ids(request)
+    tokens, _ = collect(engine, request)
+    reply = [i for t in tokens for i in t.token_ids]
+    logprobs = engine.score(prompt + reply)
+    assert len(logprobs) == len(prompt) + len(reply) - 1
+    assert all(lp <= 0 and math.isfinite(lp) for lp in logprobs)
+    # Greedy tokens are the most likely ones, so each is far more likely than chance.
+    reply_lp = logprobs[len(prompt) - 1 :]
+    assert min(reply_lp) > math.log(1 / 1000)
+    # Scoring must not corrupt later generation.
+    _, again = collect(engine, request)
+    assert again.text == "".join(t.text for t in tokens)
