@@ -13,7 +13,7 @@ requests one at a time.
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
@@ -22,6 +22,9 @@ from .backends.base import Backend
 from .chat_template import CHATML_TEMPLATE, ChatTemplate
 from .plan import DEFAULT_MAX_CTX, Plan
 from .types import Event, Message, Request
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class ContextOverflowError(LLMLocalError):
@@ -147,6 +150,15 @@ class Engine:
                 f"Cannot score {len(token_ids)} tokens in a context window of {self.n_ctx}: score shorter windows."
             )
         return self.backend.score(token_ids)
+
+    def log_probs(self, token_ids: list[int]) -> np.ndarray:
+        """(len - 1, vocab) float32 next-token log-distributions along ``token_ids`` (teacher
+        forced): what perplexity and KL-divergence evaluation compare between two models."""
+        if len(token_ids) > self.n_ctx:
+            raise ContextOverflowError(
+                f"Cannot score {len(token_ids)} tokens in a context window of {self.n_ctx}: score shorter windows."
+            )
+        return self.backend.log_probs(token_ids)
 
 
 def _round_up(n: int, to: int = 1024) -> int:

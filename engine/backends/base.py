@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from ..types import Event, Request
 
@@ -24,6 +27,11 @@ class Backend(Protocol):
 
         The last event is a `DoneEvent`. The backend may assume ``len(prompt_ids) < n_ctx``.
         """
+        ...
+
+    def log_probs(self, token_ids: list[int]) -> np.ndarray:
+        """(len(token_ids) - 1, vocab) float32 log-softmax; row i is the distribution of the
+        token after ``token_ids[: i + 1]``."""
         ...
 
     def score(self, token_ids: list[int]) -> list[float]:

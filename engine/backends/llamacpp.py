@@ -153,37 +153,44 @@ class LlamaCppBackend:
             llm.eval(prompt_ids[cached:-1])
         return cached
 
-    # ---- scoring -------------------------------------------------------------------------
-    def score(self, token_ids: list[int]) -> list[float]:
-        """Log-probabilities of each token given those before it, from one teacher-forced pass."""
+    # ---- scoring ----------------------------------------------------------------------
+    def log_probs(self, token_ids: list[int]) -> np.ndarray:
+        """(len - 1, vocab) float32: log-softmax of the next-token distribution after each prefix.
+
+        One teacher-forced pass in batches of n_batch, logits kept for every position.
+        """
         import llama_cpp
 
-        if len(token_ids) < 2:
-            return []
         llm = self._llm
         n_vocab = llm.n_vocab()
-        out = np.empty(len(token_ids) - 1, dtype=np.float64)
+        out = np.empty((max(len(token_ids) - 1, 0), n_vocab), dtype=np.float32)
+        if len(token_ids) < 2:
+            return out
         with self._lock:
             llm.reset()
             llm._ctx.kv_cache_clear()
-            n_batch = llm.n_batch
-            for start in range(0, len(token_ids), n_batch):
-                chunk = token_ids[start : start + n_batch]
-                llm._batch.set_batch(batch=chunk, n_past=start, logits_all=True)
-                llm._ctx.decode(llm._batch)
-                # (len(chunk), n_vocab): logits at every position of the chunk
-                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm._ctx.ctx), shape=(len(chunk) * n_vocab,))
-                logits = logits.reshape(len(chunk), n_vocab).astype(np.float64)
-                logprobs = logits - _logsumexp(logits)
-                # position i predicts token i + 1
-                for i in range(len(chunk)):
-                    j = start + i
-                    if j + 1 < len(token_ids):
-                        out[j] = logprobs[i, token_ids[j + 1]]
-            # The KV cache now holds the scored text, not a chat: forget it.
-            llm.reset()
-            llm._ctx.kv_cache_clear()
-        return out.tolist()
+            try:
+                for start in range(0, len(token_ids) - 1, llm.n_batch):
+                    chunk = token_ids[start : min(start + llm.n_batch, len(token_ids) - 1)]
+                    llm._batch.set_batch(batch=chunk, n_past=start, logits_all=True)
+                    llm._ctx.decode(llm._batch)
+                    logits = np.ctypeslib.as_array(
+                        llama_cpp.llama_get_logits(llm._ctx.ctx), shape=(len(chunk) * n_vocab,)
+                    ).reshape(len(chunk), n_vocab)  # (chunk, vocab): row i predicts token start + i + 1
+                    rows = logits.astype(np.float64)
+                    out[start : start + len(chunk)] = rows - _logsumexp(rows)
+            finally:
+                # The KV cache now holds the scored text, not a chat: forget it.
+                llm.reset()
+                llm._ctx.kv_cache_clear()
+        return out
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1."""
+        if len(token_ids) < 2:
+            return []
+        lp = self.log_probs(token_ids)
+        return lp[np.arange(len(token_ids) - 1), token_ids[1:]].astype(np.float64).tolist()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -156,3 +156,17 @@ def test_score_agrees_with_greedy_generation(engine: Engine) -> None:
     # Scoring must not corrupt later generation.
     _, again = collect(engine, request)
     assert again.text == "".join(t.text for t in tokens)
+
+
+def test_log_probs_are_distributions_consistent_with_score(engine: Engine) -> None:
+    import numpy as np
+
+    ids = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+    lp = engine.log_probs(ids)
+    assert lp.shape == (len(ids) - 1, engine.model.spec.vocab_size)
+    assert np.allclose(np.exp(lp).sum(axis=1), 1.0, atol=1e-4)
+    picked = lp[np.arange(len(ids) - 1), ids[1:]]
+    assert np.allclose(picked, engine.score(ids), atol=1e-5)
+    # The repeated sentence is predictable the second and third time round.
+    n = len(ids) // 3
+    assert picked[2 * n :].mean() > picked[: n - 1].mean() + 1.0
