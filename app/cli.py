@@ -15,7 +15,7 @@ from typing import Sequence
 
 from llmlocal.models.errors import LLMLocalError
 
-COMMANDS = ("chat", "run")
+COMMANDS = ("chat", "run", "bench")
 
 
 def version() -> str:

@@ -13,12 +13,17 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model", "-m", default=None, metavar="M",
                    help="model name or path to a .gguf file (default: smollm2-135m, bundled)")
-    g.add_argument("--backend", default="auto", choices=["auto", "llamacpp"],
-                   help="engine backend (default: auto)")
+    g.add_argument("--backend", default="auto", choices=["auto", "llamacpp", "paged"],
+                   help="engine backend: llamacpp (GGUF on CPU), paged (our engine: CUDA, or CPU); "
+                        "default auto picks for the model and machine")
     g.add_argument("--ctx", type=int, default=None, metavar="N",
                    help="context window in tokens (default: the model's, up to 8192)")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default: physical cores)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the paged backend runs (default: CUDA if present)")
+    g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="paged backend: KV cache pool size in blocks of 16 tokens")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens_default: int | None = None) -> None:
@@ -40,7 +45,14 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens_default: in
 def plan_from_args(args: argparse.Namespace) -> Plan:
     from llmlocal.engine import Plan
 
-    return Plan(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads)
+    return Plan(
+        model=args.model,
+        backend=args.backend,
+        device=args.device,
+        n_ctx=args.ctx,
+        threads=args.threads,
+        kv_blocks=args.kv_blocks,
+    )
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -53,11 +53,15 @@ class Engine:
         model = resolve(plan.model)
         n_ctx = plan.n_ctx or min(model.spec.context_length, DEFAULT_MAX_CTX)
         plan = plan.replace(n_ctx=n_ctx)
-        backend_name = plan.backend if plan.backend != "auto" else "llamacpp"
+        backend_name = plan.backend if plan.backend != "auto" else _auto_backend(model, plan)
         if backend_name == "llamacpp":
             from .backends.llamacpp import LlamaCppBackend
 
             backend: Backend = LlamaCppBackend.load(model, plan)
+        elif backend_name == "paged":
+            from .backends.paged import PagedBackend
+
+            backend = PagedBackend.load(model, plan)
         else:  # Plan validates the name; a new backend must be wired in here.
             raise LLMLocalError(f"The backend '{backend_name}' is not available in this build.")
         return cls(backend, model, plan.replace(backend=backend_name))
@@ -159,6 +163,30 @@ class Engine:
                 f"Cannot score {len(token_ids)} tokens in a context window of {self.n_ctx}: score shorter windows."
             )
         return self.backend.log_probs(token_ids)
+
+
+def _auto_backend(model: ResolvedModel, plan: Plan) -> str:
+    """GGUF on CPU: llama.cpp. A Hugging Face checkpoint, or a CUDA device: our paged engine."""
+    if model.spec.format != "gguf":
+        return "paged"
+    if plan.device == "cuda" or (plan.device == "auto" and _cuda_available()):
+        return "paged"
+    return "llamacpp"
+
+
+def _cuda_available() -> bool:
+    # Only consult torch if it is already imported or CUDA libraries may exist: importing
+    # torch costs a second, which CPU-only runs of llama.cpp should not pay.
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    if not (os.path.exists("/dev/nvidia0") or os.path.exists("/proc/driver/nvidia")):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _round_up(n: int, to: int = 1024) -> int:

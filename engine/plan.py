@@ -11,7 +11,9 @@ from typing import Any, Mapping
 
 from llmlocal.models.errors import LLMLocalError
 
-BACKENDS = ("auto", "llamacpp")
+BACKENDS = ("auto", "llamacpp", "paged")
+DTYPES = ("auto", "fp32", "fp16", "bf16")
+WEIGHTS = ("auto", "dense", "int4", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_CTX = 8192  # default context cap when the user does not ask for one
 
@@ -25,6 +27,13 @@ class Plan:
     threads: int | None = None  # None: physical cores
     n_batch: int = 512  # prompt tokens per forward pass during prefill
     gpu_layers: int = 0
+    # paged backend
+    dtype: str = "auto"  # activations and KV cache: bf16 on CUDA, fp32 on CPU
+    weights: str = "auto"  # INT4 where the GGUF is 4-bit, else the run dtype
+    block_size: int = 16  # tokens per KV block
+    kv_blocks: int | None = None  # KV pool size in blocks (None: sized from n_ctx and max_batch)
+    max_batch: int = 16  # sequences decoded together
+    max_batch_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -37,6 +46,16 @@ class Plan:
             raise LLMLocalError(f"threads must be at least 1, got {self.threads}.")
         if self.n_batch < 1:
             raise LLMLocalError(f"n_batch must be at least 1, got {self.n_batch}.")
+        if self.dtype not in DTYPES:
+            raise LLMLocalError(f"Unknown dtype '{self.dtype}': choose one of {', '.join(DTYPES)}.")
+        if self.weights not in WEIGHTS:
+            raise LLMLocalError(f"Unknown weight mode '{self.weights}': choose one of {', '.join(WEIGHTS)}.")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise LLMLocalError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise LLMLocalError(f"kv_blocks must be at least 1, got {self.kv_blocks}.")
+        if self.max_batch < 1 or self.max_batch_tokens < 1:
+            raise LLMLocalError("max_batch and max_batch_tokens must be at least 1.")
         if self.gpu_layers < 0:
             raise LLMLocalError(f"gpu_layers must be >= 0, got {self.gpu_layers}.")
 

@@ -1,6 +1,7 @@
 """Model names -> files, and what a file holds (`ModelSpec`) without loading weights."""
 
 from .errors import LLMLocalError, ModelFormatError, ModelNotFoundError
+from .hf_spec import spec_from_hf
 from .gguf_header import GGUFHeader, TensorInfo, read_gguf_header
 from .resolve import DEFAULT_MODEL, STARTER_MODELS, ResolvedModel, resolve, starter_path
 from .spec import ModelSpec, SpecialTokens, spec_from_gguf
@@ -19,5 +20,6 @@ __all__ = [
     "read_gguf_header",
     "resolve",
     "spec_from_gguf",
+    "spec_from_hf",
     "starter_path",
 ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelFormatError, ModelNotFoundError
+from .hf_spec import spec_from_hf
 from .spec import ModelSpec, spec_from_gguf
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -74,8 +75,9 @@ def starter_path(name: str) -> Path:
 def resolve(name_or_path: str | os.PathLike[str] | None = None) -> ResolvedModel:
     """Resolve a model name or a path to a local GGUF file and read its `ModelSpec`.
 
-    Accepted: a built-in starter name (``smollm2-135m``, the default) or a path to a ``.gguf``
-    file. Raises :class:`ModelNotFoundError` / :class:`ModelFormatError` with a message that
+    Accepted: a built-in starter name (``smollm2-135m``, the default), a path to a ``.gguf``
+    file, or a Hugging Face checkpoint directory (``config.json`` + safetensors). Raises
+    :class:`ModelNotFoundError` / :class:`ModelFormatError` with a message that
     names the fix.
     """
     name = os.fspath(name_or_path) if name_or_path is not None else DEFAULT_MODEL
@@ -86,10 +88,7 @@ def resolve(name_or_path: str | os.PathLike[str] | None = None) -> ResolvedModel
     path = Path(name).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
-            raise ModelFormatError(
-                f"{name} is a Hugging Face checkpoint: convert it to GGUF first with "
-                f"`llmlocal quantize {name}`."
-            )
+            return ResolvedModel(name=path.name, path=str(path.resolve()), spec=spec_from_hf(path))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             path = ggufs[0]

@@ -38,6 +38,11 @@ class LlamaCppBackend:
     def load(cls, model: ResolvedModel, plan: Plan) -> LlamaCppBackend:
         import llama_cpp
 
+        if model.spec.format != "gguf":
+            raise ModelFormatError(
+                f"llama.cpp runs GGUF files and {model.path} is a Hugging Face checkpoint: use "
+                f"--backend paged, or convert it with `llmlocal quantize {model.path}`."
+            )
         n_ctx = plan.n_ctx or model.spec.context_length
         threads = plan.threads or physical_cores()
         gpu_layers = plan.gpu_layers if plan.device != "cpu" else 0

@@ -103,9 +103,9 @@ def test_truncated_gguf_is_detected_from_the_header(tmp_path: Path, starter_path
         resolve(str(cut))
 
 
-def test_hf_checkpoint_directory_points_at_quantize(tmp_path: Path) -> None:
+def test_hf_checkpoint_directory_without_weights_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ModelFormatError, match="llmlocal quantize"):
+    with pytest.raises(ModelFormatError, match="no .safetensors"):
         resolve(str(tmp_path))
 
 

@@ -1,0 +1,59 @@
+"""`llmlocal bench SCENARIO`: measure the engine; prints one JSON object with --json.
+
+Scenarios:
+  decode   batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation, per backend
+  batch    N concurrent requests: paged (batched) vs llamacpp (one after another), KV waste
+  prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold
+
+Examples:
+
+    llmlocal bench decode --json
+    llmlocal bench batch --requests 16 --json
+    llmlocal bench prefix --model ~/models/llama-3.2-1b-q4_0.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="measure speed: decode, batch, prefix", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("scenario", choices=["decode", "batch", "prefix"])
+    p.add_argument("--model", "-m", default=None, metavar="M", help="model name or path (default: smollm2-135m)")
+    p.add_argument("--backends", default="paged,llamacpp", metavar="LIST",
+                   help="decode: backends to compare, comma-separated (default: paged,llamacpp)")
+    p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmlocal.engine import bench
+    from llmlocal.models.errors import LLMLocalError
+
+    if args.requests < 1:
+        raise LLMLocalError("--requests must be at least 1.")
+    if args.scenario == "decode":
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+        result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens)
+    elif args.scenario == "batch":
+        result = bench.bench_batch(args.model, requests=args.requests)
+    else:
+        result = bench.bench_prefix(args.model)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            if isinstance(value, dict):
+                for name, figures in value.items():
+                    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+                    print(f"{name:>10}: {shown}")
+            else:
+                print(f"{key:>22}: {value:.4g}" if isinstance(value, float) else f"{key:>22}: {value}")
+    return 0

@@ -1,0 +1,98 @@
+"""`llmlocal quantize SRC`: a Hugging Face checkpoint or a GGUF -> a quantized GGUF, with a
+report of what the quantization cost in quality.
+
+SRC is a checkpoint directory (config.json, *.safetensors, tokenizer.json), a Hugging Face
+repo id already in the local cache, or an F32/F16/BF16 GGUF. The output loads in
+`llmlocal run/chat`. Unless --no-eval, the source and the output are run on the same text and
+compared (perplexity, KL divergence, top-1 agreement); the numbers are printed and saved as
+OUT.gguf.quality.json.
+
+Examples:
+
+    llmlocal quantize ~/models/Llama-3.2-1B-Instruct          # -> ./Llama-3.2-1B-Instruct-Q4_K_M.gguf
+    llmlocal quantize Qwen/Qwen2.5-0.5B-Instruct --type q8_0 -o qwen-q8.gguf
+    llmlocal quantize model-F16.gguf --type q5_k_m --eval my-notes.txt
+    llmlocal quantize model-Q8_0.gguf --type q4_k_m --allow-requantize --no-eval
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from llmlocal.quant.formats import DEFAULT_FORMAT, FORMATS
+
+
+def _types_epilog() -> str:
+    lines = ["types:"]
+    for fmt in FORMATS.values():
+        by = "" if fmt.writer == "llmlocal" else "  [llama.cpp quantizer]"
+        lines.append(f"  {fmt.name:<8} {fmt.description}{by}")
+    return "\n".join(lines)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="convert a Hugging Face checkpoint or GGUF to a quantized GGUF, with a quality report",
+        description=__doc__,
+        epilog=_types_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="SRC", help="checkpoint directory, Hugging Face repo id (from the local cache) or .gguf file")
+    p.add_argument("-o", "--output", metavar="OUT", default=None,
+                   help="output .gguf file or directory (default: ./<name>-<TYPE>.gguf)")
+    p.add_argument("--type", default=DEFAULT_FORMAT, type=str.lower, choices=list(FORMATS), metavar="TYPE",
+                   help=f"output type (default: {DEFAULT_FORMAT}; see the list below)")
+    g = p.add_argument_group("quality report")
+    g.add_argument("--eval", metavar="TEXTFILE", default=None,
+                   help="evaluate on this UTF-8 text instead of the built-in text")
+    g.add_argument("--no-eval", action="store_true", help="skip the quality report")
+    g.add_argument("--eval-ctx", type=int, default=512, metavar="N", help="tokens per evaluation window (default: 512)")
+    g.add_argument("--eval-tokens", type=int, default=None, metavar="N",
+                   help="evaluate at most N tokens of the text (default: all)")
+    p.add_argument("--allow-requantize", action="store_true",
+                   help="accept an already-quantized GGUF as SRC (its rounding error compounds)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmlocal.quant.pipeline import QuantizeJob, quantize
+
+    job = QuantizeJob(
+        src=args.src,
+        out=args.output,
+        type=args.type,
+        evaluate=not args.no_eval,
+        eval_text=args.eval,
+        eval_ctx=args.eval_ctx,
+        eval_tokens=args.eval_tokens,
+        allow_requantize=args.allow_requantize,
+        threads=args.threads,
+    )
+    result = quantize(job, stream=sys.stderr)
+    if args.json:
+        print(json.dumps(_result_dict(result), ensure_ascii=False))
+        return 0
+    types = ", ".join(f"{n} {t}" for t, n in result.tensor_types.items())
+    print(
+        f"Wrote {result.output}: {result.type}, {result.output_bytes / 1e6:,.1f} MB, "
+        f"{result.bits_per_weight:.2f} bits per weight, in {result.seconds:.1f} s (tensors: {types})."
+    )
+    if result.quality is not None:
+        print(result.quality.table())
+        print(f"Saved the report to {result.quality_path}.")
+    sys.stdout.flush()
+    return 0
+
+
+def _result_dict(result: Any) -> dict[str, Any]:
+    out = {k: v for k, v in result.__dict__.items() if k != "quality"}
+    out["warnings"] = list(result.warnings)
+    out["bits_per_weight"] = round(result.bits_per_weight, 3)
+    out["quality"] = result.quality.to_dict() if result.quality is not None else None
+    return out

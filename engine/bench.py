@@ -1,0 +1,189 @@
+"""Benchmark scenarios behind `llmlocal bench`. Each returns one JSON-ready dict.
+
+* decode  batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation (MBU) per
+          backend: MBU = bytes read per token (weights + KV of the context) x tok/s / the
+          machine's measured read bandwidth.
+* batch   N concurrent requests of mixed prompt and output lengths: aggregate output tok/s of
+          `paged` serving them together vs `llamacpp` serving them one after another, and KV
+          waste (allocated-but-unfilled slots / allocated slots) sampled during the run.
+* prefix  TTFT of a follow-up chat turn on a long history, with the history's KV cached vs
+          computed from scratch (paged backend).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from typing import Any
+
+from .engine import Engine
+from .plan import Plan
+from .types import DoneEvent, Request, SamplingParams, Stats
+
+WORDS = (
+    "river stone light garden window morning paper music harbour bridge winter orange "
+    "market kitchen forest letter engine silver cloud village summer story island road"
+).split()
+
+
+def measure_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth of main memory: bytes summed per second over a buffer far larger than cache."""
+    import torch
+
+    a = torch.ones(megabytes * 1024 * 1024 // 4, dtype=torch.float32)
+    a.sum()  # touch every page once
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
+
+
+def _prompt(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def _run(engine: Engine, messages: list[dict[str, str]], max_tokens: int) -> DoneEvent:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    done = None
+    for event in engine.generate(Request.chat(messages, params)):
+        if isinstance(event, DoneEvent):
+            done = event
+    assert done is not None
+    return done
+
+
+def _weight_bytes(engine: Engine) -> int:
+    runner = getattr(engine.backend, "runner", None)
+    if runner is not None:
+        return int(runner.model.weight_bytes())
+    return engine.model.spec.weight_bytes
+
+
+def _kv_value_bytes(engine: Engine) -> float:
+    runner = getattr(engine.backend, "runner", None)
+    if runner is not None:
+        return float(runner.kv_caches[0][0].element_size())
+    return 2.0  # llama.cpp's default f16 KV cache
+
+
+def bench_decode(model: str | None, backends: list[str], max_tokens: int = 128, n_ctx: int = 2048) -> dict[str, Any]:
+    bandwidth = measure_bandwidth_gb_s()
+    out: dict[str, Any] = {"scenario": "decode", "bandwidth_gb_s": round(bandwidth, 2), "backends": {}}
+    messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+    for name in backends:
+        with Engine.load(Plan(model=model, backend=name, n_ctx=n_ctx)) as engine:
+            _run(engine, messages, 8)  # warm up (first-call allocations, caches)
+            runs = [_run(engine, [{"role": "user", "content": m["content"] + f" ({i})"} for m in messages], max_tokens) for i in range(3)]
+            s = _median_stats([r.stats for r in runs])
+            context = s.prompt_tokens + s.completion_tokens / 2  # mean context while decoding
+            kv_bytes = engine.model.spec.kv_bytes_per_token(_kv_value_bytes(engine)) * context
+            per_token = _weight_bytes(engine) + kv_bytes
+            out["backends"][name] = {
+                "ttft_s": s.ttft_s,
+                "decode_tok_s": s.decode_tok_s,
+                "itl_ms_p50": s.itl_ms_p50,
+                "itl_ms_p95": s.itl_ms_p95,
+                "bytes_per_token": int(per_token),
+                "mbu": per_token * (s.decode_tok_s or 0) / (bandwidth * 1e9),
+                "completion_tokens": s.completion_tokens,
+            }
+    out["model"] = model or "smollm2-135m"
+    return out
+
+
+def _median_stats(stats: list[Stats]) -> Stats:
+    """The run with the median decode speed (keeps each figure from one real run)."""
+    ordered = sorted(stats, key=lambda s: s.decode_tok_s or 0.0)
+    return ordered[len(ordered) // 2]
+
+
+def _batch_requests(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    return [(_prompt(rng.randint(10, 200), seed + i), rng.choice([16, 32, 64, 128])) for i in range(n)]
+
+
+def bench_batch(model: str | None, requests: int = 16, n_ctx: int = 2048) -> dict[str, Any]:
+    work = _batch_requests(requests)
+    total_out = sum(n for _, n in work)
+
+    with Engine.load(Plan(model=model, backend="llamacpp", n_ctx=n_ctx)) as engine:
+        _run(engine, [{"role": "user", "content": "warm up"}], 4)
+        t = time.perf_counter()
+        produced = sum(_run(engine, [{"role": "user", "content": p}], n).stats.completion_tokens for p, n in work)
+        llamacpp_s = time.perf_counter() - t
+
+    with Engine.load(Plan(model=model, backend="paged", n_ctx=n_ctx, max_batch=max(requests, 1))) as engine:
+        _run(engine, [{"role": "user", "content": "warm up"}], 4)
+        waste: list[float] = []
+        stop = threading.Event()
+
+        def sample_waste() -> None:
+            backend = engine.backend
+            while not stop.is_set():
+                with backend._lock:  # type: ignore[attr-defined]
+                    if backend.scheduler.running:  # type: ignore[attr-defined]
+                        waste.append(backend.scheduler.kv_waste())  # type: ignore[attr-defined]
+                time.sleep(0.02)
+
+        results: list[int] = [0] * len(work)
+
+        def one(i: int) -> None:
+            p, n = work[i]
+            results[i] = _run(engine, [{"role": "user", "content": p}], n).stats.completion_tokens
+
+        sampler = threading.Thread(target=sample_waste, daemon=True)
+        sampler.start()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        paged_s = time.perf_counter() - t
+        stop.set()
+        sampler.join()
+
+    paged_tok_s = sum(results) / paged_s
+    llamacpp_tok_s = produced / llamacpp_s
+    return {
+        "scenario": "batch",
+        "model": model or "smollm2-135m",
+        "requests": requests,
+        "output_tokens": total_out,
+        "paged_tok_s": paged_tok_s,
+        "llamacpp_tok_s": llamacpp_tok_s,
+        "speedup": paged_tok_s / llamacpp_tok_s,
+        "kv_waste": statistics.fmean(waste) if waste else 0.0,
+    }
+
+
+def bench_prefix(model: str | None, history_tokens: int = 1500, n_ctx: int = 4096) -> dict[str, Any]:
+    with Engine.load(Plan(model=model, backend="paged", n_ctx=n_ctx)) as engine:
+        history: list[dict[str, str]] = []
+        words = 60
+        while not history or engine.count_tokens(history) < history_tokens:
+            history += [
+                {"role": "user", "content": _prompt(words, len(history))},
+                {"role": "assistant", "content": _prompt(words, len(history) + 1)},
+            ]
+        follow = history + [{"role": "user", "content": "Summarise our conversation."}]
+        # Cold: nothing cached (a fresh engine state for this text).
+        cold = _run(engine, follow, 1).stats
+        # Cached: the history was served before (the previous turn), the follow-up extends it.
+        engine_turn = history + [{"role": "user", "content": "Now list the words you remember."}]
+        _run(engine, engine_turn, 1)
+        cached = _run(engine, engine_turn[:-1] + [{"role": "user", "content": "Now list the words you remember!"}], 1).stats
+        return {
+            "scenario": "prefix",
+            "model": model or "smollm2-135m",
+            "history_tokens": engine.count_tokens(history),
+            "ttft_cold_s": cold.ttft_s,
+            "ttft_cached_s": cached.ttft_s,
+            "cached_prompt_tokens": cached.cached_prompt_tokens,
+            "ratio": (cached.ttft_s or 0) / (cold.ttft_s or 1),
+        }

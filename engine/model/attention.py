@@ -1,0 +1,92 @@
+"""Attention over the paged KV cache, for one engine step.
+
+A step's tokens are flattened into one batch of N tokens: first `num_decode` sequences with
+one new token each, then prefill chunks (a run of new tokens of one sequence, possibly after
+a cached prefix). Every token's K/V is first written to its slot; then
+
+* decodes attend through their block tables with the paged decode kernel (Triton on CUDA,
+  the torch reference elsewhere);
+* each prefill chunk attends, with `scaled_dot_product_attention`, to the sequence's whole
+  context so far, gathered from the cache: its cached prefix and the chunk itself, causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from llmlocal.native.paged_attention import paged_decode_attention, write_kv
+
+
+@dataclass
+class PrefillChunk:
+    offset: int  # index of the chunk's first token in the flat batch
+    num_tokens: int
+    start: int  # position of the chunk's first token = tokens already in the cache
+    slots: torch.Tensor  # (start + num_tokens,) int64: slots of every position so far
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (N,) int64: where each new token's K/V goes
+    num_decode: int = 0
+    block_tables: torch.Tensor | None = None  # (num_decode, max_blocks) int32
+    context_lens: torch.Tensor | None = None  # (num_decode,) int32, including the new token
+    max_context_len: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (N, H, D)
+    k: torch.Tensor,  # (N, Hkv, D)
+    v: torch.Tensor,  # (N, Hkv, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """(N, H, D) attention outputs for the step's tokens; writes their K/V to the cache."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        assert meta.block_tables is not None and meta.context_lens is not None
+        out[:nd] = paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len
+        )
+    if meta.prefills:
+        n_kv, d = k_cache.shape[2], k_cache.shape[3]
+        flat_k = k_cache.view(-1, n_kv, d)  # (slots, Hkv, D)
+        flat_v = v_cache.view(-1, n_kv, d)
+        for chunk in meta.prefills:
+            rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
+            if chunk.start == 0:
+                # Nothing cached: attend to the chunk's own (uncached-precision) K/V.
+                ck, cv = k[rows], v[rows]
+            else:
+                ck = flat_k[chunk.slots].to(q.dtype)  # (L, Hkv, D), L = start + num_tokens
+                cv = flat_v[chunk.slots].to(q.dtype)
+            out[rows] = _causal_attention(q[rows], ck, cv, chunk.start, scale)
+    return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """q (T, H, D) at positions start..start+T-1 over k, v (L, Hkv, D) at 0..L-1, L = start + T."""
+    t, h, _ = q.shape
+    length, n_kv, _ = k.shape
+    qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
+    kh = k.transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+    vh = v.transpose(0, 1).unsqueeze(0)
+    if n_kv != h:
+        kh = kh.repeat_interleave(h // n_kv, dim=1)  # (1, H, L, D)
+        vh = vh.repeat_interleave(h // n_kv, dim=1)
+    if start == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        # query i sits at position start + i and may see keys 0 .. start + i
+        qpos = torch.arange(start, start + t, device=q.device)[:, None]
+        mask = torch.arange(length, device=q.device)[None, :] <= qpos  # (T, L)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return o.squeeze(0).transpose(0, 1)  # (T, H, D)

@@ -1,0 +1,141 @@
+"""`ModelRunner`: one engine step's integers -> tensors -> the model -> logits.
+
+It owns the KV cache: per layer a K and a V tensor of shape
+(num_blocks, block_size, n_kv_heads, head_dim), preallocated once. The scheduler decides
+which tokens to compute; the runner lays them out as one flat batch (decodes first, then
+prefill chunks), builds slot mappings and block tables from each sequence's block table,
+runs the model and returns the logits of the rows that sample a next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model.attention import AttentionMetadata, PrefillChunk
+from .model.llama import LlamaModel
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepItem:
+    """Compute K/V for seq.token_ids[start : start + num_tokens]; `sample` asks for logits
+    at the last of them (the chunk reaches the end of the sequence)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=kv_dtype, device=self.device), torch.zeros(shape, dtype=kv_dtype, device=self.device))
+            for _ in range(cfg.n_layers)
+        ]
+
+    @property
+    def kv_bytes(self) -> int:
+        k, _ = self.kv_caches[0]
+        return 2 * len(self.kv_caches) * k.numel() * k.element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate block src into block dst in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """(end - start,) int64 slots of positions start..end-1 through a block table."""
+        pos = torch.arange(start, end, device=self.device)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    @torch.inference_mode()
+    def scratch_cache(self, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A private KV cache for one sequence of `num_tokens` (block table 0, 1, 2, ...),
+        for work that must not touch the shared pool, such as scoring a text."""
+        k, _ = self.kv_caches[0]
+        shape = (-(-num_tokens // self.block_size),) + tuple(k.shape[1:])
+        return [(torch.empty(shape, dtype=k.dtype, device=self.device), torch.empty(shape, dtype=k.dtype, device=self.device))
+                for _ in self.kv_caches]
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        items: list[StepItem],
+        all_rows: bool = False,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, list[StepItem]]:
+        """Run one step. Returns (S, vocab) float32 logits and the S items they belong to.
+
+        With ``all_rows`` the logits of every computed token are returned (N rows, in the
+        order of ``items``; used for scoring a text), and the item list is empty.
+        """
+        if all_rows and any(it.num_tokens == 1 and it.start > 0 for it in items):
+            raise ValueError("all_rows is for prefill chunks only")
+        decodes = [it for it in items if it.num_tokens == 1 and it.start > 0]
+        prefills = [it for it in items if not (it.num_tokens == 1 and it.start > 0)]
+        ordered = decodes + prefills
+        dev = self.device
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for it in ordered:
+            input_ids.extend(it.seq.token_ids[it.start : it.start + it.num_tokens])
+            positions.extend(range(it.start, it.start + it.num_tokens))
+        slot_parts: list[torch.Tensor] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decodes))
+
+        if decodes:
+            width = max(len(it.seq.block_table) for it in decodes)
+            tables = torch.zeros((len(decodes), width), dtype=torch.int32)  # (B, max_blocks), 0-padded
+            for row, it in enumerate(decodes):
+                tables[row, : len(it.seq.block_table)] = torch.tensor(it.seq.block_table, dtype=torch.int32)
+            tables = tables.to(dev)
+            pos = torch.tensor([it.start for it in decodes], device=dev)
+            rows = torch.arange(len(decodes), device=dev)
+            blocks = tables[rows, pos // self.block_size].long()
+            slot_parts.append(blocks * self.block_size + pos % self.block_size)
+            meta.block_tables = tables
+            meta.context_lens = (pos + 1).to(torch.int32)
+            meta.max_context_len = max(it.start for it in decodes) + 1
+
+        offset = len(decodes)
+        for it in prefills:
+            table = torch.tensor(it.seq.block_table, dtype=torch.long, device=dev)
+            all_slots = self._slots(table, 0, it.start + it.num_tokens)
+            slot_parts.append(all_slots[it.start :])
+            meta.prefills.append(PrefillChunk(offset, it.num_tokens, it.start, all_slots))
+            offset += it.num_tokens
+        meta.slot_mapping = torch.cat(slot_parts) if slot_parts else meta.slot_mapping
+
+        hidden = self.model(
+            torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), kv_caches or self.kv_caches, meta
+        )  # (N, d)
+        if all_rows:
+            return self.model.logits(hidden), []
+        # the last row of each sampling item
+        sampled: list[StepItem] = []
+        rows_out: list[int] = []
+        end = 0
+        for it in ordered:
+            end += it.num_tokens
+            if it.sample:
+                sampled.append(it)
+                rows_out.append(end - 1)
+        if not rows_out:
+            return torch.empty((0, self.model.cfg.vocab_size)), []
+        logits = self.model.logits(hidden[torch.tensor(rows_out, device=dev)])  # (S, vocab)
+        return logits, sampled

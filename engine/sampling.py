@@ -1,0 +1,83 @@
+"""Next-token sampling for a batch of sequences, each with its own parameters and seed.
+
+The filters run in llama.cpp's order, so a flag means the same in every backend:
+repetition penalty -> top-k -> top-p -> min-p (these three on the softmax at T = 1) ->
+temperature on the survivors -> draw. Temperature 0 is greedy (argmax after the penalty).
+`filtered_probs` is the distribution actually sampled from; speculative decoding compares
+target and draft through it, so both are filtered the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .types import SamplingParams
+
+
+def apply_repeat_penalty(logits: torch.Tensor, history: Sequence[int], params: SamplingParams) -> torch.Tensor:
+    """Penalize tokens seen in the last `repeat_last_n` tokens: positive logits are divided by
+    the penalty, negative ones multiplied (both make the token less likely)."""
+    if params.repeat_penalty == 1.0 or not history or params.repeat_last_n == 0:
+        return logits
+    recent = history[-params.repeat_last_n :] if params.repeat_last_n > 0 else history
+    ids = torch.tensor(sorted(set(recent)), dtype=torch.long, device=logits.device)
+    picked = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(picked > 0, picked / params.repeat_penalty, picked * params.repeat_penalty)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(V,) float32 logits -> (V,) probabilities after top-k, top-p, min-p and temperature.
+
+    Only for temperature > 0 (greedy has no distribution to draw from).
+    """
+    logits = logits.float()
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        keep &= logits >= kth
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        p = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        if params.top_p < 1.0:
+            sorted_p, order = torch.sort(p, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+            before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+            drop_sorted = before >= params.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+            keep &= ~drop
+        if params.min_p > 0.0:
+            keep &= p >= params.min_p * p.max()
+    scaled = logits.masked_fill(~keep, float("-inf")) / params.temperature
+    return torch.softmax(scaled, dim=-1)
+
+
+def sample_batch(
+    logits: torch.Tensor,  # (S, V) float32
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token per row."""
+    if all(p.greedy and p.repeat_penalty == 1.0 for p in params):
+        return logits.argmax(dim=-1).tolist()
+    out: list[int] = []
+    for row, p, hist, gen in zip(logits, params, histories, generators):
+        row = apply_repeat_penalty(row, hist, p)
+        if p.greedy:
+            out.append(int(row.argmax()))
+            continue
+        probs = filtered_probs(row, p)
+        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return out
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,117 @@
+"""Tokenizers for the engines that run their own model code (paged, sparse).
+
+GGUF models are tokenized by llama.cpp's own vocabulary (a vocab-only llama-cpp-python
+model: no weights loaded), so token ids are exactly llama.cpp's. Hugging Face checkpoints use
+their `tokenizer.json` through the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (UTF-8 may be split across tokens)."""
+        ...
+
+    def is_eog(self, token_id: int) -> bool:
+        """End of generation: EOS, end-of-turn and similar tokens."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LlamaCppTokenizer:
+    def __init__(self, path: str) -> None:
+        import llama_cpp
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        # A vocab-only model still creates a context, which logs a warning at C level.
+        with suppress_stdout_stderr(disable=False):
+            self._llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+        self.vocab_size = self._llm.n_vocab()
+        self._eog = {t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, t)}
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._llm.detokenize([token_id])
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id in self._eog
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._llm.close()
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE maps each byte to a printable character; this is the inverse map.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are mapped, in order, to
+    code points 256 and up.
+    """
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+class HFTokenizer:
+    def __init__(self, directory: str | Path) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        directory = Path(directory)
+        self._tok = _Tok.from_file(str(directory / "tokenizer.json"))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._decoder = _byte_decoder()
+        spec = json.loads((directory / "tokenizer.json").read_text())
+        self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
+        self._special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        self._eog = set(_eos_ids(directory))
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id) or ""
+        if token_id in self._special:
+            return b""
+        if self._byte_level:
+            return bytes(self._decoder.get(ch, ord("?")) for ch in piece)
+        # SentencePiece style: '▁' is a space, <0xAB> is a raw byte
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id in self._eog
+
+    def close(self) -> None:
+        pass
+
+
+def _eos_ids(directory: Path) -> list[int]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.append(value)
+            elif isinstance(value, list):
+                ids.extend(int(v) for v in value)
+    return ids

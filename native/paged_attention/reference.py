@@ -1,0 +1,209 @@
+"""Pure-torch paged attention: the reference the Triton kernels are tested against, and the
+production path on CPU.
+
+Cache layout (per layer): ``k_cache``, ``v_cache``: ``(num_blocks, block_size, n_kv_heads,
+head_dim)``, contiguous. A token's slot is ``block_id * block_size + offset_in_block``; a
+sequence's block table lists its block ids in order, so its token ``t`` lives in block
+``block_tables[b, t // block_size]`` at offset ``t % block_size``.
+
+Everything here is vectorised over the batch: no Python loop runs per sequence or per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# Budget for one step's fp32 K copy: K and V of a step then stay in cache between the gather
+# and the matmuls, and no temporary grows with the batch or the context.
+STEP_BYTES = 4 << 20
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_caches(k_cache: Tensor, v_cache: Tensor) -> None:
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache must be (num_blocks, block_size, n_kv_heads, head_dim), got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache must match k_cache: got {tuple(v_cache.shape)} {v_cache.dtype} "
+            f"vs {tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    if k_cache.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"the KV cache must be float32, float16 or bfloat16, got {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
+def _check_same_device(*tensors: Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+
+
+def check_write_kv_args(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Raise ValueError unless the arguments follow the write_kv contract."""
+    _check_caches(k_cache, v_cache)
+    _, _, n_kv, head_dim = k_cache.shape
+    if key.dim() != 3 or key.shape[1:] != (n_kv, head_dim):
+        raise ValueError(
+            f"key must be (N, {n_kv}, {head_dim}) to match the cache, got {tuple(key.shape)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    if key.dtype not in _FLOAT_DTYPES or value.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"key/value must be float32, float16 or bfloat16, got {key.dtype}/{value.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping must be ({key.shape[0]},), got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"slot_mapping must be int64 (or int32), got {slot_mapping.dtype}")
+    _check_same_device(key, value, k_cache, v_cache, slot_mapping)
+
+
+def check_decode_args(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor
+) -> None:
+    """Raise ValueError unless the arguments follow the paged_decode_attention contract."""
+    _check_caches(k_cache, v_cache)
+    _, _, n_kv, head_dim = k_cache.shape
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be (B, n_heads, {head_dim}), got {tuple(q.shape)}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    if q.shape[1] % n_kv != 0:
+        raise ValueError(f"n_heads ({q.shape[1]}) must be a multiple of n_kv_heads ({n_kv})")
+    batch = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        raise ValueError(
+            f"block_tables must be ({batch}, max_blocks_per_seq >= 1), got {tuple(block_tables.shape)}"
+        )
+    if context_lens.dim() != 1 or context_lens.shape[0] != batch:
+        raise ValueError(f"context_lens must be ({batch},), got {tuple(context_lens.shape)}")
+    if block_tables.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"block_tables and context_lens must be int32 (or int64), "
+            f"got {block_tables.dtype}/{context_lens.dtype}"
+        )
+    _check_same_device(q, k_cache, v_cache, block_tables, context_lens)
+
+
+def write_kv_reference(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Write ``key[i]``/``value[i]`` (``(N, n_kv_heads, head_dim)``) into slot ``slot_mapping[i]``
+    of the caches, cast to the cache dtype; rows whose slot is negative are skipped."""
+    check_write_kv_args(key, value, k_cache, v_cache, slot_mapping)
+    num_blocks, block_size, n_kv, head_dim = k_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()  # (N_kept,)
+    k_slots = k_cache.view(num_blocks * block_size, n_kv, head_dim)  # (S, n_kv, D), aliases k_cache
+    v_slots = v_cache.view(num_blocks * block_size, n_kv, head_dim)  # (S, n_kv, D), aliases v_cache
+    k_slots.index_copy_(0, slots, key[keep].to(k_cache.dtype))
+    v_slots.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+
+def paged_decode_attention_reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    *,
+    step_bytes: int = STEP_BYTES,
+) -> Tensor:
+    """One query token per sequence against all of its cached tokens; see the package docstring
+    for the full contract. Returns ``(B, n_heads, head_dim)`` in ``q``'s dtype.
+
+    The work runs in steps whose fp32 K copy stays under ``step_bytes``: several whole
+    sequences per step when they fit, else one sequence and a run of its blocks per step."""
+    # out[b, h] = sum_t softmax_t(scale * q[b, h] . K[b, t, kv(h)]) V[b, t, kv(h)] over
+    # t < context_lens[b], kv(h) = h // (n_heads // n_kv_heads). Steps are merged with an
+    # online softmax (see _attend_rows), so no temporary grows with the batch or the context.
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    batch, n_heads, head_dim = q.shape
+    _, block_size, n_kv, _ = k_cache.shape
+    group = n_heads // n_kv
+    lens = context_lens.long()  # (B,)
+
+    if max_context_len is None or not lens.is_cuda:
+        # On the host the exact maximum costs nothing and guards against a stale hint.
+        max_context_len = int(lens.max())
+    n_blocks = min(math.ceil(max_context_len / block_size), block_tables.shape[1])
+
+    # Table entries past a sequence's last block are padding with any value: replace them by
+    # block 0 so the gather stays in bounds; the positions they cover are masked.
+    block_idx = torch.arange(n_blocks, device=q.device)  # (nb,)
+    live = block_idx[None, :] < ((lens + block_size - 1) // block_size)[:, None]  # (B, nb)
+    table = torch.where(live, block_tables[:, :n_blocks].long(), 0)  # (B, nb)
+
+    # GQA: the query heads of one kv head form a group of `group` rows; kv heads lead so
+    # that (kv head, sequence) is one batch dimension for the matmuls.
+    qh = (q.float() * scale).view(batch, n_kv, group, head_dim).transpose(0, 1)  # (n_kv, B, G, D)
+
+    block_bytes = block_size * n_kv * head_dim * 4  # one block of K in fp32
+    if n_blocks * block_bytes <= step_bytes:
+        seqs_per_step, blocks_per_step = max(1, step_bytes // (n_blocks * block_bytes)), n_blocks
+    else:
+        seqs_per_step, blocks_per_step = 1, max(1, step_bytes // block_bytes)
+
+    out = torch.empty(n_kv, batch, group, head_dim, device=q.device, dtype=torch.float32)
+    for first in range(0, batch, seqs_per_step):
+        rows = slice(first, first + seqs_per_step)
+        out[:, rows] = _attend_rows(qh[:, rows], k_cache, v_cache, table[rows], lens[rows], blocks_per_step)
+    return out.transpose(0, 1).reshape(batch, n_heads, head_dim).to(q.dtype)  # (B, H, D)
+
+
+def _attend_rows(
+    qh: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, lens: Tensor, blocks_per_step: int
+) -> Tensor:
+    """Attention of a few sequences, ``blocks_per_step`` cache blocks at a time.
+    qh: (n_kv, b, G, D) fp32, pre-scaled; table: (b, nb), no padding ids; lens: (b,)."""
+    # Online softmax over steps: m' = max(m, max_step s); alpha = e^(m - m');
+    # l' = l alpha + sum_step e^(s - m'); acc' = acc alpha + sum_step e^(s - m') V; out = acc / l.
+    # Positions t >= len score -inf *and* get a zeroed V row: the cache behind them (the tail
+    # of the last block, or block 0 standing in for padding) may never have been written and
+    # may hold NaN, and 0 * NaN is still NaN. Step 0 holds position 0, so m is finite after it.
+    n_kv, rows, group, head_dim = qh.shape
+    block_size = k_cache.shape[1]
+    m = torch.full((n_kv, rows, group, 1), float("-inf"), device=qh.device)
+    l = torch.zeros(n_kv, rows, group, 1, device=qh.device)
+    acc = torch.zeros(n_kv, rows, group, head_dim, device=qh.device)
+    for first_block in range(0, table.shape[1], blocks_per_step):
+        ids = table[:, first_block : first_block + blocks_per_step]  # (b, nbs)
+        k = _gather_head_major(k_cache, ids)  # (n_kv, b, Ls, D)
+        v = _gather_head_major(v_cache, ids)  # (n_kv, b, Ls, D)
+        pos = first_block * block_size + torch.arange(k.shape[2], device=qh.device)  # (Ls,)
+        valid = pos[None, :] < lens[:, None]  # (b, Ls)
+        v.masked_fill_(~valid[None, :, :, None], 0.0)
+
+        s = torch.matmul(qh, k.transpose(2, 3))  # (n_kv, b, G, D) @ (n_kv, b, D, Ls) -> (n_kv, b, G, Ls)
+        s.masked_fill_(~valid[None, :, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=3, keepdim=True))  # (n_kv, b, G, 1)
+        p = torch.exp(s - m_new)  # (n_kv, b, G, Ls)
+        alpha = torch.exp(m - m_new)  # (n_kv, b, G, 1), 0 on step 0
+        l = l * alpha + p.sum(dim=3, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, v)  # (n_kv, b, G, Ls) @ (n_kv, b, Ls, D) -> (n_kv, b, G, D)
+        m = m_new
+    return acc / l
+
+
+def _gather_head_major(cache: Tensor, ids: Tensor) -> Tensor:
+    """The blocks ``ids`` (b, nbs) of ``cache`` as fp32 (n_kv, b, nbs * block_size, D)."""
+    rows, n_ids = ids.shape
+    _, block_size, n_kv, head_dim = cache.shape
+    # index_select copies whole blocks (contiguous runs); one more copy converts to fp32 and
+    # moves kv heads to the front, so each matmul batch is a plain contiguous (Ls, D) matrix.
+    blocks = cache.index_select(0, ids.flatten())  # (b * nbs, bs, n_kv, D)
+    tokens = blocks.view(rows, n_ids * block_size, n_kv, head_dim)  # (b, Ls, n_kv, D)
+    out = torch.empty(n_kv, rows, n_ids * block_size, head_dim, device=cache.device, dtype=torch.float32)
+    out.copy_(tokens.permute(2, 0, 1, 3))  # (n_kv, b, Ls, D)
+    return out

@@ -1,0 +1,129 @@
+"""The paged backend end to end: continuous batching, preemption, prefix caching, limits."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import pytest
+
+from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams
+from llmlocal.engine.model.config import UnsupportedArchitectureError
+from llmlocal.models.errors import LLMLocalError
+
+PROMPTS = [
+    "What color is the sky on a clear day?",
+    "Name three fruits.",
+    "Write the numbers from 1 to 20, separated by commas.",
+    "What is 2 + 2?",
+    "Say hello in French.",
+    "Give me a word that rhymes with cat.",
+    "What do bees make?",
+    "Describe a cat in one sentence.",
+]
+
+
+def reply(engine: Engine, prompt: str, max_tokens: int) -> DoneEvent:
+    done = None
+    for event in engine.generate(Request.chat([{"role": "user", "content": prompt}], SamplingParams(temperature=0, max_tokens=max_tokens))):
+        if isinstance(event, DoneEvent):
+            done = event
+    assert done is not None
+    return done
+
+
+def replies_together(engine: Engine, prompts: list[str], max_tokens: list[int]) -> list[DoneEvent]:
+    results: list[DoneEvent | None] = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def worker(i: int) -> None:
+        start.wait()
+        results[i] = reply(engine, prompts[i], max_tokens[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def fp32_engine() -> Iterator[Engine]:
+    with Engine.load(Plan(backend="paged", n_ctx=1024, weights="dense", dtype="fp32", max_batch=16)) as e:
+        yield e
+
+
+def test_sixteen_concurrent_requests_equal_each_alone(fp32_engine: Engine) -> None:
+    prompts = (PROMPTS * 2)[:16]
+    lengths = [8 + 3 * i for i in range(16)]  # ragged: sequences leave the batch at different steps
+    alone = [reply(fp32_engine, p, n).text for p, n in zip(prompts, lengths)]
+    together = replies_together(fp32_engine, prompts, lengths)
+    assert [d.text for d in together] == alone
+    # they were batched: the pool held several sequences at once
+    assert max(d.stats.kv_blocks_used for d in together) > 4
+
+
+def test_preemption_under_a_small_pool_gives_the_same_tokens() -> None:
+    # 12 blocks of 16 tokens: each request needs ~4, so 6 cannot run at once.
+    with Engine.load(Plan(backend="paged", n_ctx=256, weights="dense", dtype="fp32", kv_blocks=12, max_batch=8)) as e:
+        prompts = PROMPTS[:6]
+        alone = [reply(e, p, 24).text for p in prompts]
+        together = replies_together(e, prompts, [24] * 6)
+        assert [d.text for d in together] == alone
+        assert e.backend.blocks.num_used_blocks == 0  # nothing leaked
+        e.backend.blocks.check_invariants()
+
+
+def test_follow_up_turn_hits_the_prefix_cache(fp32_engine: Engine) -> None:
+    history = [{"role": "user", "content": "Tell me about the moon. " * 20}]
+    first = reply(fp32_engine, history[0]["content"], 16)
+    follow = history + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Shorter, please."}]
+    done = None
+    for event in fp32_engine.generate(Request.chat(follow, SamplingParams(temperature=0, max_tokens=4))):
+        if isinstance(event, DoneEvent):
+            done = event
+    assert done is not None
+    prior = len(fp32_engine.prompt_ids(Request.chat(history)))
+    assert done.stats.cached_prompt_tokens >= prior // 16 * 16 - 16
+
+
+def test_a_request_that_can_never_fit_is_refused_with_the_numbers() -> None:
+    with Engine.load(Plan(backend="paged", n_ctx=1024, kv_blocks=4)) as e:
+        request = Request.chat([{"role": "user", "content": "word " * 100}], SamplingParams(max_tokens=10))
+        with pytest.raises(LLMLocalError, match=r"needs \d+ KV blocks of 16 tokens .* has 4"):
+            e.generate(request).__next__()
+
+
+def test_an_architecture_the_paged_engine_lacks_suggests_llamacpp(make_gguf) -> None:
+    path = make_gguf(arch="gemma3")
+    with pytest.raises(UnsupportedArchitectureError, match="--backend llamacpp"):
+        Engine.load(Plan(backend="paged", model=str(path)))
+
+
+def test_hf_checkpoint_runs_in_the_paged_backend_by_default(tmp_path) -> None:
+    import json
+
+    from tiny_llama import write_checkpoint
+
+    write_checkpoint(tmp_path)
+    # a byte-level BPE tokenizer over the tiny vocabulary: enough to run text through it
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {chr(c): i for i, c in enumerate(range(ord("!"), ord("!") + 94))}
+    vocab["<eos>"] = 94
+    vocab["Ġ"] = 95
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    with Engine.load(Plan(model=str(tmp_path), n_ctx=128)) as e:
+        assert e.backend_name == "paged"
+        done = None
+        for event in e.generate(Request(prompt="hello world", sampling=SamplingParams(temperature=0, max_tokens=5))):
+            if isinstance(event, DoneEvent):
+                done = event
+        assert done is not None and done.stats.completion_tokens + (done.finish_reason == "stop") >= 1
