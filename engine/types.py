@@ -49,8 +49,11 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    n: int = 1  # parallel samples of one prompt (the paged engine shares the prompt's KV blocks)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.n <= 64:
+            raise LLMLocalError(f"n (parallel samples) must be between 1 and 64, got {self.n}.")
         if self.temperature < 0:
             raise LLMLocalError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}.")
         if self.top_k < 0:
@@ -128,15 +131,17 @@ class TokenEvent:
 
     text: str
     token_ids: tuple[int, ...]
+    index: int = 0  # which of the request's n samples
 
 
 @dataclass(frozen=True)
 class DoneEvent:
-    """The last event of every stream."""
+    """The end of one sample; a stream ends with one per sample (n of them, n = 1 by default)."""
 
     text: str  # the whole reply, stop string excluded
     finish_reason: FinishReason
     stats: Stats
+    index: int = 0
 
 
 Event = Union[TokenEvent, DoneEvent]

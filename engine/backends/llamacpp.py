@@ -87,15 +87,18 @@ class LlamaCppBackend:
     def generate(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
         recorder = StatsRecorder(self.name, self.device)
         with self._lock:
-            yield from self._generate_locked(request, prompt_ids, cancel, recorder)
+            # n samples one after another; after the first, the prompt's KV is cached.
+            for index in range(request.sampling.n):
+                yield from self._generate_locked(request, prompt_ids, cancel, recorder, index)
+                recorder = StatsRecorder(self.name, self.device)
 
     def _generate_locked(
-        self, request: Request, prompt_ids: list[int], cancel: threading.Event, recorder: StatsRecorder
+        self, request: Request, prompt_ids: list[int], cancel: threading.Event, recorder: StatsRecorder, index: int
     ) -> Iterator[Event]:
         llm = self._llm
         p = request.sampling
         cached = self._prefill_all_but_last(prompt_ids)
-        llm.set_seed(p.seed if p.seed is not None else random.getrandbits(31))
+        llm.set_seed(p.seed + index if p.seed is not None else random.getrandbits(31))
         llm.last_n_tokens_size = p.repeat_last_n
 
         text = TextStream(p.stop)
@@ -120,7 +123,7 @@ class LlamaCppBackend:
                 completion.append(token)
                 recorder.token()
                 piece = text.feed(llm.detokenize([token], prev_tokens=None))
-                yield TokenEvent(piece, (token,))
+                yield TokenEvent(piece, (token,), index)
                 if text.stopped:
                     finish = "stop"
                     break
@@ -136,9 +139,9 @@ class LlamaCppBackend:
             tokens.close()
         tail = text.flush()
         if tail:
-            yield TokenEvent(tail, ())
+            yield TokenEvent(tail, (), index)
         stats = recorder.finish(len(prompt_ids), cached_prompt_tokens=cached, n_ctx=self.n_ctx)
-        yield DoneEvent(text.text, finish, stats)
+        yield DoneEvent(text.text, finish, stats, index)
 
     def _prefill_all_but_last(self, prompt_ids: list[int]) -> int:
         """Bring the KV cache to ``prompt_ids[:-1]``, reusing its longest cached prefix.

@@ -45,7 +45,9 @@ class _Stream:
     recorder: StatsRecorder
     text: TextStream
     generator: torch.Generator | None
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # shared by a request's samples
+    index: int = 0  # which of the request's n samples
+    siblings: list[_Stream] = field(default_factory=list)  # samples 1..n-1, forked at the first token
     completion: int = 0  # tokens streamed (the end-of-generation token is not one)
     kv_blocks_used: int = 0  # pool blocks in use at this sequence's last step
     done: bool = False
@@ -137,14 +139,10 @@ class PagedBackend:
     # ---- generation ----------------------------------------------------------------------
     def generate(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
         p = request.sampling
-        stream = _Stream(
-            request=request,
-            cancel=cancel,
-            recorder=StatsRecorder(self.name, self.device),
-            text=TextStream(p.stop),
-            generator=None if p.greedy else make_generator(p.seed, self.runner.device),
-        )
-        seq = Sequence(next(self._ids), prompt_ids, max_tokens=p.max_tokens, extra=stream)
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        streams = [self._new_stream(request, cancel, events, i) for i in range(p.n)]
+        streams[0].siblings = streams[1:]
+        seq = Sequence(next(self._ids), prompt_ids, max_tokens=p.max_tokens, extra=streams[0])
         with self._work:
             try:
                 self.scheduler.add(seq)
@@ -152,19 +150,33 @@ class PagedBackend:
                 raise LLMLocalError(str(e).replace("give the KV cache more memory", "pass a larger --kv-blocks")) from None
             self._live[seq.seq_id] = seq
             self._work.notify_all()
+        remaining = p.n
         try:
-            while True:
-                event = stream.events.get()
+            while remaining:
+                event = events.get()
                 if isinstance(event, _EngineFailure):
                     raise event.error
                 yield event
                 if isinstance(event, DoneEvent):
-                    return
+                    remaining -= 1
         finally:
-            if not stream.done:  # the consumer stopped reading: stop the sequence
+            if remaining:  # the consumer stopped reading: stop the request's sequences
                 cancel.set()
                 with self._work:
                     self._work.notify_all()
+
+    def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> _Stream:
+        p = request.sampling
+        seed = p.seed + index if p.seed is not None else None
+        return _Stream(
+            request=request,
+            cancel=cancel,
+            recorder=StatsRecorder(self.name, self.device),
+            text=TextStream(p.stop),
+            generator=None if p.greedy else make_generator(seed, self.runner.device),
+            events=events,
+            index=index,
+        )
 
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -210,21 +222,59 @@ class PagedBackend:
         )
         sampled: dict[int, int] = {}
         stopped: set[int] = set()
-        for it, stream, token in zip(sampled_items, streams, tokens):
+        forks: list[tuple[Sequence, list[tuple[_Stream, int]]]] = []
+        for row, (it, stream, token) in enumerate(zip(sampled_items, streams, tokens)):
             sid = it.seq.seq_id
             sampled[sid] = token
             stream.kv_blocks_used = used
-            if self.tokenizer.is_eog(token):
-                stopped.add(sid)
-                continue
-            stream.completion += 1
-            stream.recorder.token()
-            piece = stream.text.feed(self.tokenizer.token_bytes(token))
-            stream.events.put(TokenEvent(piece, (token,)))
-            if stream.text.stopped:
+            if stream.siblings:  # n > 1: the other samples draw their first token from these logits
+                draws = [
+                    (sib, sample_batch(logits[row : row + 1], [sib.request.sampling], [it.seq.token_ids], [sib.generator])[0])
+                    for sib in stream.siblings
+                ]
+                forks.append((it.seq, draws))
+                stream.siblings = []
+            if self._emit(stream, token):
                 stopped.add(sid)
         for seq in self.scheduler.update(out, sampled, stopped):
             self._finish(seq, seq.finish_reason or "stop")
+        for parent, draws in forks:
+            for sib, token in draws:
+                self._start_sibling(parent, sib, token)
+
+    def _emit(self, stream: _Stream, token: int) -> bool:
+        """Stream one sampled token's text; True if the sample ends here (EOG or stop string)."""
+        if self.tokenizer.is_eog(token):
+            return True
+        stream.completion += 1
+        stream.recorder.token()
+        piece = stream.text.feed(self.tokenizer.token_bytes(token))
+        stream.events.put(TokenEvent(piece, (token,), stream.index))
+        return stream.text.stopped
+
+    def _start_sibling(self, parent: Sequence, stream: _Stream, token: int) -> None:
+        """Sample `stream.index` of a request continues from the parent's prompt with its own
+        first token, sharing the parent's KV blocks when the parent still holds them."""
+        child = parent.fork(next(self._ids))
+        del child.token_ids[parent.num_prompt_tokens :]
+        child.append_token(token)
+        child.extra = stream
+        stream.kv_blocks_used = self.blocks.num_used_blocks
+        ended: FinishReason | None = None
+        if self._emit(stream, token):
+            ended = "stop"
+        elif child.max_tokens == 1:
+            ended = "length"
+        elif child.num_tokens >= self.n_ctx:
+            ended = "context"
+        if ended is not None:
+            self._finish(child, ended)
+            return
+        if self.scheduler.can_fork(parent) and parent.num_computed_tokens == parent.num_prompt_tokens:
+            self.scheduler.fork(parent, child)
+        else:  # the parent already finished or moved on: recompute (its full blocks are cached)
+            self.scheduler.add(child)
+        self._live[child.seq_id] = child
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Close the stream of a sequence the scheduler has already let go of."""
@@ -232,7 +282,7 @@ class PagedBackend:
         self._live.pop(seq.seq_id, None)
         tail = stream.text.flush()
         if tail:
-            stream.events.put(TokenEvent(tail, ()))
+            stream.events.put(TokenEvent(tail, (), stream.index))
         stats = stream.recorder.finish(
             seq.num_prompt_tokens,
             cached_prompt_tokens=seq.num_cached_tokens,
@@ -241,7 +291,7 @@ class PagedBackend:
             kv_blocks_total=self.blocks.num_blocks,
         )
         stream.done = True
-        stream.events.put(DoneEvent(stream.text.text, reason, stats))
+        stream.events.put(DoneEvent(stream.text.text, reason, stats, stream.index))
 
     # ---- scoring -------------------------------------------------------------------------
     def log_probs(self, token_ids: list[int]) -> np.ndarray:

@@ -184,3 +184,23 @@ def test_log_probs_are_distributions_consistent_with_score(engine: Engine) -> No
     # The repeated sentence is predictable the second and third time round.
     n = len(ids) // 3
     assert picked[2 * n :].mean() > picked[: n - 1].mean() + 1.0
+
+
+def test_parallel_samples(engine: Engine) -> None:
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, max_tokens=12, n=4)
+    texts: dict[int, str] = {}
+    streamed: dict[int, str] = {0: "", 1: "", 2: "", 3: ""}
+    for event in engine.generate(Request.chat(QUESTION, p)):
+        if isinstance(event, DoneEvent):
+            assert event.index not in texts
+            texts[event.index] = event.text
+            assert event.stats.completion_tokens <= 12
+        else:
+            assert event.index not in texts, "no text after a sample's DoneEvent"
+            streamed[event.index] += event.text
+    assert sorted(texts) == [0, 1, 2, 3]
+    assert texts == streamed
+    assert len(set(texts.values())) > 1, "independent samples at T=1 should differ"
+    # seeded: the same request gives the same four samples
+    again = {e.index: e.text for e in engine.generate(Request.chat(QUESTION, p)) if isinstance(e, DoneEvent)}
+    assert again == texts

@@ -127,3 +127,17 @@ def test_hf_checkpoint_runs_in_the_paged_backend_by_default(tmp_path) -> None:
             if isinstance(event, DoneEvent):
                 done = event
         assert done is not None and done.stats.completion_tokens + (done.finish_reason == "stop") >= 1
+
+
+def test_parallel_samples_share_the_prompt_blocks(fp32_engine: Engine) -> None:
+    prompt = [{"role": "user", "content": "Tell me about rivers and mountains. " * 12}]
+    n_prompt = len(fp32_engine.prompt_ids(Request.chat(prompt)))
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=8, n=4)
+    done = [e for e in fp32_engine.generate(Request.chat(prompt, p)) if isinstance(e, DoneEvent)]
+    assert sorted(d.index for d in done) == [0, 1, 2, 3]
+    peak = max(d.stats.kv_blocks_used for d in done)
+    prompt_blocks = -(-n_prompt // 16)
+    # four private copies would need 4 x prompt_blocks; shared, only the tails differ
+    assert peak <= prompt_blocks + 4 * 2 < 4 * prompt_blocks
+    assert fp32_engine.backend.blocks.num_used_blocks == 0
+    fp32_engine.backend.blocks.check_invariants()
