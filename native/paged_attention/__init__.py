@@ -92,10 +92,16 @@ def paged_decode_attention_triton(
     context_lens: Tensor,
     scale: float,
     max_context_len: int | None = None,
-    **overrides: object,
+    *,
+    num_splits: int | None = None,
+    tile_n: int | None = None,
+    use_dot: bool | None = None,
 ) -> Tensor:
-    """The Triton decode launcher (imports triton on first call). ``overrides`` are the
-    launcher's keyword-only tuning knobs: ``num_splits``, ``tile_n``, ``use_dot``."""
+    """The Triton decode launcher (imports triton on first call). The keyword-only knobs
+    override the launcher's choices: context splits, tokens per inner step, tl.dot or not."""
     from .triton_decode import paged_decode_attention_triton as launch
 
-    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, **overrides)
+    return launch(
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
+        num_splits=num_splits, tile_n=tile_n, use_dot=use_dot,
+    )  # fmt: skip

@@ -42,9 +42,10 @@ class Result:
     device: str
     dtype: str
     shape: Shape
-    ms: float
+    ms: float  # median per call
+    ms_min: float
     bytes: int
-    gb_s: float
+    gb_s: float  # bytes / median time
 
 
 def bytes_moved(shape: Shape, dtype: torch.dtype) -> int:
@@ -67,8 +68,10 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: str) -> tuple[torch.Te
     return q, k_cache, v_cache, block_tables, context_lens
 
 
-def time_ms(fn: Callable[[], object], device: str, min_seconds: float = 0.5, max_iters: int = 200) -> float:
-    """Median milliseconds per call, after two warm-up calls."""
+def time_ms(
+    fn: Callable[[], object], device: str, min_seconds: float = 0.5, max_iters: int = 200
+) -> tuple[float, float]:
+    """(median, minimum) milliseconds per call, after two warm-up calls."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(2):
         fn()
@@ -80,7 +83,7 @@ def time_ms(fn: Callable[[], object], device: str, min_seconds: float = 0.5, max
         fn()
         sync()
         samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(samples), min(samples)
 
 
 def bench_one(impl: str, device: str, dtype: torch.dtype, shape: Shape) -> Result:
@@ -91,9 +94,10 @@ def bench_one(impl: str, device: str, dtype: torch.dtype, shape: Shape) -> Resul
     def call() -> object:
         return kernel(q, k_cache, v_cache, block_tables, context_lens, scale, shape.context)
 
-    ms = time_ms(call, device)
+    ms, ms_min = time_ms(call, device)
     moved = bytes_moved(shape, dtype)
-    return Result(impl, device, str(dtype).removeprefix("torch."), shape, round(ms, 4), moved, round(moved / ms / 1e6, 2))
+    dtype_name = str(dtype).removeprefix("torch.")
+    return Result(impl, device, dtype_name, shape, round(ms, 4), round(ms_min, 4), moved, round(moved / ms / 1e6, 2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     runs = [("reference", "cpu")]
     if torch.cuda.is_available():

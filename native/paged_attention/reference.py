@@ -6,7 +6,10 @@ head_dim)``, contiguous. A token's slot is ``block_id * block_size + offset_in_b
 sequence's block table lists its block ids in order, so its token ``t`` lives in block
 ``block_tables[b, t // block_size]`` at offset ``t % block_size``.
 
-Everything here is vectorised over the batch: no Python loop runs per sequence or per token.
+Decode attention is vectorised over sequences, tokens and query heads. It runs in steps of a
+few megabytes (whole sequences when they fit, runs of blocks of one long sequence otherwise)
+so that each step's K/V copy stays in cache, and in each step one matmul per kv head reads
+the gathered K/V in place.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # Budget for one step's fp32 K copy: K and V of a step then stay in cache between the gather
@@ -133,6 +137,8 @@ def paged_decode_attention_reference(
     _, block_size, n_kv, _ = k_cache.shape
     group = n_heads // n_kv
     lens = context_lens.long()  # (B,)
+    if batch == 0:
+        return torch.empty_like(q)
 
     if max_context_len is None or not lens.is_cuda:
         # On the host the exact maximum costs nothing and guards against a stale hint.
@@ -145,65 +151,110 @@ def paged_decode_attention_reference(
     live = block_idx[None, :] < ((lens + block_size - 1) // block_size)[:, None]  # (B, nb)
     table = torch.where(live, block_tables[:, :n_blocks].long(), 0)  # (B, nb)
 
-    # GQA: the query heads of one kv head form a group of `group` rows; kv heads lead so
-    # that (kv head, sequence) is one batch dimension for the matmuls.
-    qh = (q.float() * scale).view(batch, n_kv, group, head_dim).transpose(0, 1)  # (n_kv, B, G, D)
+    # GQA: the query heads of one kv head form a group of `group` rows.
+    qh = (q.float() * scale).view(batch, n_kv, group, head_dim).transpose(0, 1).contiguous()  # (n_kv, B, G, D)
 
     block_bytes = block_size * n_kv * head_dim * 4  # one block of K in fp32
+    if batch * n_blocks * block_bytes <= step_bytes:
+        return _attend_one_step(q, k_cache, v_cache, table, lens, scale)
     if n_blocks * block_bytes <= step_bytes:
-        seqs_per_step, blocks_per_step = max(1, step_bytes // (n_blocks * block_bytes)), n_blocks
+        seqs_per_step, blocks_per_step = min(batch, max(1, step_bytes // (n_blocks * block_bytes))), n_blocks
     else:
         seqs_per_step, blocks_per_step = 1, max(1, step_bytes // block_bytes)
 
+    k_steps = _StepGather(k_cache, seqs_per_step * blocks_per_step)
+    v_steps = _StepGather(v_cache, seqs_per_step * blocks_per_step)
     out = torch.empty(n_kv, batch, group, head_dim, device=q.device, dtype=torch.float32)
     for first in range(0, batch, seqs_per_step):
         rows = slice(first, first + seqs_per_step)
-        out[:, rows] = _attend_rows(qh[:, rows], k_cache, v_cache, table[rows], lens[rows], blocks_per_step)
+        out[:, rows] = _attend_rows(qh[:, rows], k_steps, v_steps, table[rows], lens[rows], blocks_per_step)
     return out.transpose(0, 1).reshape(batch, n_heads, head_dim).to(q.dtype)  # (B, H, D)
 
 
+def _attend_one_step(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, lens: Tensor, scale: float) -> Tensor:
+    """The common decode case, when every sequence's K/V fits one step: one gather and one
+    fused attention call (few torch ops, which is what a CPU decode step is bound by).
+
+    The `group` query heads of a kv head act as `group` queries at one position, so the
+    attention needs no causal mask, only the per-sequence length mask."""
+    batch, n_heads, head_dim = q.shape
+    _, block_size, n_kv, _ = k_cache.shape
+    n_blocks = table.shape[1]
+    length = n_blocks * block_size
+    k = k_cache[table].view(batch, length, n_kv, head_dim).float()  # (B, L, n_kv, D), a copy
+    v = v_cache[table].view(batch, length, n_kv, head_dim).float()
+    valid = torch.arange(length, device=q.device)[None, :] < lens[:, None]  # (B, L)
+    # Rows past a sequence's end may never have been written (NaN): zero them, since a masked
+    # score does not protect against NaN * 0.
+    k.masked_fill_(~valid[:, :, None, None], 0.0)
+    v.masked_fill_(~valid[:, :, None, None], 0.0)
+    qh = q.float().view(batch, n_kv, n_heads // n_kv, head_dim)  # (B, n_kv, G, D)
+    out = F.scaled_dot_product_attention(
+        qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale
+    )  # (B, n_kv, G, D)
+    return out.reshape(batch, n_heads, head_dim).to(q.dtype)
+
+
+class _StepGather:
+    """Copies cache blocks, as fp32, into one buffer that every step of a call reuses.
+
+    NOTE: a fresh multi-megabyte tensor per step would go back to the OS when freed and be
+    page-faulted in again at the next step, which costs more than the copy itself."""
+
+    def __init__(self, cache: Tensor, max_blocks: int) -> None:
+        self.cache = cache
+        shape = (max_blocks, *cache.shape[1:])  # (n, bs, n_kv, D)
+        self.raw = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        self.f32 = self.raw if cache.dtype == torch.float32 else torch.empty(shape, device=cache.device)
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        """Blocks ``ids`` (b, nbs) in order as (b, nbs * bs, n_kv, D) fp32, valid until the next call."""
+        rows, n_ids = ids.shape
+        _, block_size, n_kv, head_dim = self.cache.shape
+        n = rows * n_ids
+        raw = torch.index_select(self.cache, 0, ids.flatten(), out=self.raw[:n])  # (n, bs, n_kv, D)
+        f32 = raw if self.f32 is self.raw else self.f32[:n].copy_(raw)
+        return f32.view(rows, n_ids * block_size, n_kv, head_dim)  # (b, Ls, n_kv, D)
+
+
 def _attend_rows(
-    qh: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, lens: Tensor, blocks_per_step: int
+    qh: Tensor, k_steps: _StepGather, v_steps: _StepGather, table: Tensor, lens: Tensor, blocks_per_step: int
 ) -> Tensor:
     """Attention of a few sequences, ``blocks_per_step`` cache blocks at a time.
-    qh: (n_kv, b, G, D) fp32, pre-scaled; table: (b, nb), no padding ids; lens: (b,)."""
+    qh: (n_kv, b, G, D) fp32, pre-scaled; table: (b, nb), no padding ids; lens: (b,).
+    Returns (n_kv, b, G, D) fp32."""
     # Online softmax over steps: m' = max(m, max_step s); alpha = e^(m - m');
     # l' = l alpha + sum_step e^(s - m'); acc' = acc alpha + sum_step e^(s - m') V; out = acc / l.
     # Positions t >= len score -inf *and* get a zeroed V row: the cache behind them (the tail
     # of the last block, or block 0 standing in for padding) may never have been written and
     # may hold NaN, and 0 * NaN is still NaN. Step 0 holds position 0, so m is finite after it.
     n_kv, rows, group, head_dim = qh.shape
-    block_size = k_cache.shape[1]
+    block_size = k_steps.cache.shape[1]
     m = torch.full((n_kv, rows, group, 1), float("-inf"), device=qh.device)
     l = torch.zeros(n_kv, rows, group, 1, device=qh.device)
     acc = torch.zeros(n_kv, rows, group, head_dim, device=qh.device)
     for first_block in range(0, table.shape[1], blocks_per_step):
         ids = table[:, first_block : first_block + blocks_per_step]  # (b, nbs)
-        k = _gather_head_major(k_cache, ids)  # (n_kv, b, Ls, D)
-        v = _gather_head_major(v_cache, ids)  # (n_kv, b, Ls, D)
-        pos = first_block * block_size + torch.arange(k.shape[2], device=qh.device)  # (Ls,)
+        k = k_steps(ids)  # (b, Ls, n_kv, D)
+        v = v_steps(ids)  # (b, Ls, n_kv, D)
+        step_len = k.shape[1]
+        pos = first_block * block_size + torch.arange(step_len, device=qh.device)  # (Ls,)
         valid = pos[None, :] < lens[:, None]  # (b, Ls)
-        v.masked_fill_(~valid[None, :, :, None], 0.0)
+        v[(~valid).nonzero(as_tuple=True)] = 0.0  # writes only the masked rows
 
-        s = torch.matmul(qh, k.transpose(2, 3))  # (n_kv, b, G, D) @ (n_kv, b, D, Ls) -> (n_kv, b, G, Ls)
+        # k[:, :, h] is a (b, Ls, D) view with row stride n_kv * D, which bmm reads in place:
+        # one bmm per kv head avoids copying K/V into a head-major layout.
+        s = torch.empty(n_kv, rows, group, step_len, device=qh.device)
+        for h in range(n_kv):
+            torch.bmm(qh[h], k[:, :, h].transpose(1, 2), out=s[h])  # (b, G, D) @ (b, D, Ls) -> (b, G, Ls)
         s.masked_fill_(~valid[None, :, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=3, keepdim=True))  # (n_kv, b, G, 1)
         p = torch.exp(s - m_new)  # (n_kv, b, G, Ls)
         alpha = torch.exp(m - m_new)  # (n_kv, b, G, 1), 0 on step 0
         l = l * alpha + p.sum(dim=3, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, v)  # (n_kv, b, G, Ls) @ (n_kv, b, Ls, D) -> (n_kv, b, G, D)
+        pv = torch.empty(n_kv, rows, group, head_dim, device=qh.device)
+        for h in range(n_kv):
+            torch.bmm(p[h], v[:, :, h], out=pv[h])  # (b, G, Ls) @ (b, Ls, D) -> (b, G, D)
+        acc = acc * alpha + pv
         m = m_new
     return acc / l
-
-
-def _gather_head_major(cache: Tensor, ids: Tensor) -> Tensor:
-    """The blocks ``ids`` (b, nbs) of ``cache`` as fp32 (n_kv, b, nbs * block_size, D)."""
-    rows, n_ids = ids.shape
-    _, block_size, n_kv, head_dim = cache.shape
-    # index_select copies whole blocks (contiguous runs); one more copy converts to fp32 and
-    # moves kv heads to the front, so each matmul batch is a plain contiguous (Ls, D) matrix.
-    blocks = cache.index_select(0, ids.flatten())  # (b * nbs, bs, n_kv, D)
-    tokens = blocks.view(rows, n_ids * block_size, n_kv, head_dim)  # (b, Ls, n_kv, D)
-    out = torch.empty(n_kv, rows, n_ids * block_size, head_dim, device=cache.device, dtype=torch.float32)
-    out.copy_(tokens.permute(2, 0, 1, 3))  # (n_kv, b, Ls, D)
-    return out

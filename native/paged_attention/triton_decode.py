@@ -128,9 +128,9 @@ def _decode_kernel(
     # not stored, and the guard only keeps the arithmetic finite.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # (G, D)
-    out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         o_offs = seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]  # (G, D)
+        out_mask = g_mask[:, None] & d_mask[None, :]
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # (G,) (b, h, split)
@@ -227,10 +227,15 @@ def plan_splits(
     return SplitPlan(max(1, math.ceil(max_context_len / tokens_per_split)), tokens_per_split)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _INTERPRETER_SMS
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def paged_decode_attention_triton(
@@ -262,6 +267,8 @@ def paged_decode_attention_triton(
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
     group = n_heads // n_kv
+    if batch == 0:
+        return torch.empty_like(q)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     if max_context_len < 1:
