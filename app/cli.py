@@ -15,7 +15,7 @@ from typing import Sequence
 
 from llmlocal.models.errors import LLMLocalError
 
-COMMANDS = ("chat", "run", "bench")
+COMMANDS = ("chat", "run", "bench", "quantize")
 
 
 def version() -> str:
