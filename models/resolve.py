@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelFormatError, ModelNotFoundError
+from .errors import ModelNotFoundError
 from .hf_spec import spec_from_hf
 from .spec import ModelSpec, spec_from_gguf
 

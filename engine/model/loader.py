@@ -23,7 +23,7 @@ from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
 from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, unpermute_qk
 
-from .config import ModelConfig, config_from_hf, config_from_spec
+from .config import config_from_hf, config_from_spec
 from .gguf_tensors import INT4_TYPES, GGUFTensors, Int4Codes
 from .linear import DenseLinear, Int4Linear, Int8Linear, Linear
 from .llama import DecoderLayer, LlamaModel, RMSNorm

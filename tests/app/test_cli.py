@@ -6,10 +6,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 
 LLMLOCAL = [sys.executable, "-m", "llmlocal.app"]
 
