@@ -48,9 +48,7 @@ class _Stream:
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # shared by a request's samples
     index: int = 0  # which of the request's n samples
     siblings: list[_Stream] = field(default_factory=list)  # samples 1..n-1, forked at the first token
-    completion: int = 0  # tokens streamed (the end-of-generation token is not one)
     kv_blocks_used: int = 0  # pool blocks in use at this sequence's last step
-    done: bool = False
 
 
 class _EngineFailure:
@@ -195,7 +193,6 @@ class PagedBackend:
                     for seq in list(self._live.values()):
                         self.scheduler.abort(seq.seq_id)
                         stream: _Stream = seq.extra  # type: ignore[assignment]
-                        stream.done = True
                         stream.events.put(_EngineFailure(e))
                     self._live.clear()
 
@@ -246,7 +243,6 @@ class PagedBackend:
         """Stream one sampled token's text; True if the sample ends here (EOG or stop string)."""
         if self.tokenizer.is_eog(token):
             return True
-        stream.completion += 1
         stream.recorder.token()
         piece = stream.text.feed(self.tokenizer.token_bytes(token))
         stream.events.put(TokenEvent(piece, (token,), stream.index))
@@ -290,7 +286,6 @@ class PagedBackend:
             kv_blocks_used=stream.kv_blocks_used,
             kv_blocks_total=self.blocks.num_blocks,
         )
-        stream.done = True
         stream.events.put(DoneEvent(stream.text.text, reason, stats, stream.index))
 
     # ---- scoring -------------------------------------------------------------------------
