@@ -13,8 +13,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model", "-m", default=None, metavar="M",
                    help="model name or path to a .gguf file (default: smollm2-135m, bundled)")
-    g.add_argument("--backend", default="auto", choices=["auto", "llamacpp", "paged"],
-                   help="engine backend: llamacpp (GGUF on CPU), paged (our engine: CUDA, or CPU); "
+    g.add_argument("--backend", default="auto", choices=["auto", "llamacpp", "paged", "sparse"],
+                   help="engine backend: llamacpp (GGUF on CPU), paged (our engine: CUDA, or CPU), "
+                        "sparse (GGUF INT4 with calibrated activation sparsity, CPU); "
                         "default auto picks for the model and machine")
     g.add_argument("--ctx", type=int, default=None, metavar="N",
                    help="context window in tokens (default: the model's, up to 8192)")
@@ -24,6 +25,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                    help="where the paged backend runs (default: CUDA if present)")
     g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="paged backend: KV cache pool size in blocks of 16 tokens")
+    g.add_argument("--draft", default=None, metavar="M",
+                   help="paged backend: speculative decoding with draft model M (same tokenizer), "
+                        "or 'ngram' to draft from the prompt itself")
+    g.add_argument("--draft-k", type=int, default=None, metavar="K",
+                   help="tokens the draft proposes per step (default: adaptive)")
+    g.add_argument("--sparsity", type=float, default=None, metavar="S",
+                   help="sparse backend: fraction of activations to skip (default: the model's "
+                        "calibrated level; 0 runs dense through the same kernels)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens_default: int | None = None) -> None:
@@ -52,6 +61,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         n_ctx=args.ctx,
         threads=args.threads,
         kv_blocks=args.kv_blocks,
+        draft=args.draft,
+        draft_k=args.draft_k,
+        sparsity=args.sparsity,
     )
 
 

@@ -62,6 +62,10 @@ class Engine:
             from .backends.paged import PagedBackend
 
             backend = PagedBackend.load(model, plan)
+        elif backend_name == "sparse":
+            from .backends.sparse import SparseBackend
+
+            backend = SparseBackend.load(model, plan)
         else:  # Plan validates the name; a new backend must be wired in here.
             raise LLMLocalError(f"The backend '{backend_name}' is not available in this build.")
         return cls(backend, model, plan.replace(backend=backend_name))

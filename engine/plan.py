@@ -11,7 +11,8 @@ from typing import Any, Mapping
 
 from llmlocal.models.errors import LLMLocalError
 
-BACKENDS = ("auto", "llamacpp", "paged")
+BACKENDS = ("auto", "llamacpp", "paged", "sparse", "remote")
+KV_DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 WEIGHTS = ("auto", "dense", "int4", "int8")
 DEVICES = ("auto", "cpu", "cuda")
@@ -34,6 +35,17 @@ class Plan:
     kv_blocks: int | None = None  # KV pool size in blocks (None: sized from n_ctx and max_batch)
     max_batch: int = 16  # sequences decoded together
     max_batch_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    kv_dtype: str = "auto"  # KV cache element type (auto: the run dtype; f16 in llama.cpp)
+    # speculative decoding (paged backend)
+    draft: str | None = None  # draft model name/path, or "ngram" for prompt lookup
+    draft_k: int | None = None  # tokens proposed per step (None: adaptive)
+    # sparse backend
+    sparsity: float | None = None  # None: the model's calibrated level; 0 is dense
+    # remote backend: an OpenAI-compatible server
+    endpoint: str | None = None
+    api_key: str | None = None
+    # memory planner
+    memory_budget: int | None = None  # bytes the plan may use (None: probed)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -56,6 +68,14 @@ class Plan:
             raise LLMLocalError(f"kv_blocks must be at least 1, got {self.kv_blocks}.")
         if self.max_batch < 1 or self.max_batch_tokens < 1:
             raise LLMLocalError("max_batch and max_batch_tokens must be at least 1.")
+        if self.kv_dtype not in KV_DTYPES:
+            raise LLMLocalError(f"Unknown KV cache type '{self.kv_dtype}': choose one of {', '.join(KV_DTYPES)}.")
+        if self.draft_k is not None and not 1 <= self.draft_k <= 16:
+            raise LLMLocalError(f"draft_k must be between 1 and 16, got {self.draft_k}.")
+        if self.sparsity is not None and not 0.0 <= self.sparsity < 1.0:
+            raise LLMLocalError(f"sparsity must be in [0, 1), got {self.sparsity}.")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise LLMLocalError(f"The memory budget must be positive, got {self.memory_budget} bytes.")
         if self.gpu_layers < 0:
             raise LLMLocalError(f"gpu_layers must be >= 0, got {self.gpu_layers}.")
 
