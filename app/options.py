@@ -30,6 +30,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         "or 'ngram' to draft from the prompt itself")
     g.add_argument("--draft-k", type=int, default=None, metavar="K",
                    help="tokens the draft proposes per step (default: adaptive)")
+    g.add_argument("--endpoint", default=None, metavar="URL",
+                   help="talk to an OpenAI-compatible server at URL (llama.cpp server, vLLM) "
+                        "instead of loading a model here")
+    g.add_argument("--api-key", default=None, metavar="K",
+                   help="API key for --endpoint (default: $LLMLOCAL_API_KEY or $OPENAI_API_KEY)")
     g.add_argument("--sparsity", type=float, default=None, metavar="S",
                    help="sparse backend: fraction of activations to skip (default: the model's "
                         "calibrated level; 0 runs dense through the same kernels)")
@@ -64,6 +69,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         draft=args.draft,
         draft_k=args.draft_k,
         sparsity=args.sparsity,
+        endpoint=args.endpoint,
+        api_key=args.api_key,
     )
 
 
