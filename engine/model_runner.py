@@ -21,12 +21,14 @@ from .sequence import Sequence
 @dataclass(frozen=True)
 class StepItem:
     """Compute K/V for seq.token_ids[start : start + num_tokens]; `sample` asks for logits
-    at the last of them (the chunk reaches the end of the sequence)."""
+    at the last ``num_logits`` of them (the chunk reaches the end of the sequence; more than
+    one row when the target verifies draft tokens)."""
 
     seq: Sequence
     start: int
     num_tokens: int
     sample: bool
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -78,7 +80,8 @@ class ModelRunner:
         all_rows: bool = False,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, list[StepItem]]:
-        """Run one step. Returns (S, vocab) float32 logits and the S items they belong to.
+        """Run one step. Returns (R, vocab) float32 logits and the sampling items they belong
+        to, in order, each with its ``num_logits`` rows (R is the sum of those).
 
         With ``all_rows`` the logits of every computed token are returned (N rows, in the
         order of ``items``; used for scoring a text), and the item list is empty.
@@ -134,7 +137,7 @@ class ModelRunner:
             end += it.num_tokens
             if it.sample:
                 sampled.append(it)
-                rows_out.append(end - 1)
+                rows_out.extend(range(end - it.num_logits, end))
         if not rows_out:
             return torch.empty((0, self.model.cfg.vocab_size)), []
         logits = self.model.logits(hidden[torch.tensor(rows_out, device=dev)])  # (S, vocab)

@@ -17,6 +17,12 @@ Policy, in the order ``schedule`` applies it, under a budget of ``max_num_batche
    so they come first), while blocks, ``max_num_seqs`` and the budget allow. Admission stops at
    the first sequence that does not fit: later, smaller requests do not overtake it.
 
+Speculative decoding: a decoding sequence may carry ``num_draft_tokens`` proposed tokens
+after its last real one; it is scheduled with all of them in one item (1 + k tokens, verified
+by the step) or, when the budget or the pool is short, with fewer: the scheduler trims drafts
+before it would split them over two steps or preempt anyone for them. ``update`` is told how
+many drafts each sequence accepted and rolls the rest back by truncating its block table.
+
 A running sequence that cannot get a block preempts the newest running sequence (its blocks
 are freed; it goes back to waiting and is recomputed later, cheaply when its blocks are still
 in the prefix cache). No sequence is admitted in a step that preempted. A request that could
@@ -214,11 +220,17 @@ class Scheduler:
         preempted: list[int] = []
 
         self.running.sort(key=lambda s: s.arrival)
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1 + s.num_draft_tokens]
+        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1 + s.num_draft_tokens]
         for seq in decoding + prefilling:
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left
+            if seq.num_draft_tokens:
+                # Drafts are optional work: trim them to the budget and to the free blocks
+                # rather than split them over two steps or preempt anyone for them.
+                self._drop_draft(seq, max(0, seq.num_uncomputed_tokens - budget))
+                while seq.num_draft_tokens and not self.block_manager.can_append(seq, seq.num_uncomputed_tokens):
+                    self._drop_draft(seq, 1)
             need = seq.num_uncomputed_tokens
             while not self.block_manager.can_append(seq, need):
                 victim = self.running[-1]  # newest: running stays sorted by arrival
@@ -251,6 +263,10 @@ class Scheduler:
             self.running.append(seq)
             budget -= self._plan(planned, seq, budget)
 
+        for seq in self.running:  # drafts of a sequence left out of this step are stale next step
+            if seq.num_draft_tokens and seq.seq_id not in planned:
+                self._drop_draft(seq, seq.num_draft_tokens)
+
         decodes = [p for p in planned.values() if p.num_tokens == 1]
         prefills = [p for p in planned.values() if p.num_tokens > 1]
         return SchedulerOutput(
@@ -265,15 +281,19 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: Mapping[int, int],
         stopped: Collection[int] = (),
+        accepted: Mapping[int, int] | None = None,
     ) -> list[Sequence]:
         """Apply a computed step: advance every item, append the sampled tokens, finish.
 
         ``sampled`` maps the seq_id of every item with ``samples`` to its new token; ``stopped``
         names sequences the runner ended (end-of-generation token or stop string; their token
-        is still appended). Sequences also finish at ``max_tokens`` ("length") and at their
-        token limit ("context"). Returns the sequences finished by this step, blocks freed.
-        Items of sequences aborted since ``schedule`` are skipped.
+        is still appended). ``accepted`` gives, for each sequence that carried draft tokens,
+        how many of them (a prefix) it keeps; the others are rolled back (default: none kept)
+        and the sampled token follows the kept ones. Sequences also finish at ``max_tokens``
+        ("length") and at their token limit ("context"). Returns the sequences finished by
+        this step, blocks freed. Items of sequences aborted since ``schedule`` are skipped.
         """
+        accepted = accepted or {}
         live = [item for item in output.items if item.seq.status is SequenceStatus.RUNNING]
         expected = {item.seq.seq_id for item in output.items if item.samples}
         if unexpected := set(sampled) - expected:
@@ -285,6 +305,8 @@ class Scheduler:
                 raise ValueError(f"sequence {item.seq.seq_id}: this output was already applied or is stale")
             if item.samples and item.seq.seq_id not in sampled:
                 raise ValueError(f"no sampled token for sequence {item.seq.seq_id}")
+            if not 0 <= accepted.get(item.seq.seq_id, 0) <= item.seq.num_draft_tokens:
+                raise ValueError(f"sequence {item.seq.seq_id}: accepted more draft tokens than it had")
 
         finished: list[Sequence] = []
         for item in live:
@@ -292,6 +314,12 @@ class Scheduler:
             self.block_manager.mark_computed(seq, item.num_tokens)
             if not item.samples:
                 continue
+            if seq.num_draft_tokens:
+                # Keep the accepted prefix of the drafts; the K/V of the rejected ones are
+                # dropped with their blocks (the rows of a kept block are overwritten later).
+                drafts = seq.num_draft_tokens
+                self.block_manager.truncate(seq, seq.num_tokens - drafts + accepted.get(seq.seq_id, 0))
+                seq.num_draft_tokens = 0
             seq.append_token(sampled[seq.seq_id])
             reason: FinishReason | None = None
             if seq.seq_id in stopped:
@@ -362,8 +390,18 @@ class Scheduler:
         planned[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, count, samples=count == need)
         return count
 
+    def _drop_draft(self, seq: Sequence, count: int) -> None:
+        """Remove the last ``count`` draft tokens, none of which has K/V yet."""
+        if count:
+            if seq.block_table:
+                self.block_manager.truncate(seq, seq.num_tokens - count)
+                seq.num_draft_tokens -= count
+            else:
+                seq.drop_draft(count)
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)  # also resets num_computed_tokens: recompute from scratch
+        seq.drop_draft()
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -52,6 +52,10 @@ class Sequence:
     finish_reason: FinishReason | None = field(default=None, init=False)
     arrival: int = field(default=-1, init=False)  # set by Scheduler.add: smaller = older
     num_preemptions: int = field(default=0, init=False)
+    # NOTE: speculative decoding appends proposed tokens before a step; the last
+    # ``num_draft_tokens`` of ``token_ids`` are such guesses, verified (kept or dropped) by
+    # that step's update. The scheduler may trim them but never splits them over two steps.
+    num_draft_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.seq_id, int):
@@ -101,6 +105,20 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Add one generated token. Its K/V are computed by a later step."""
         self.token_ids.append(token_id)
+
+    def add_draft(self, token_ids: list[int]) -> None:
+        """Append proposed tokens, to be verified by the next step."""
+        self.token_ids.extend(token_ids)
+        self.num_draft_tokens += len(token_ids)
+
+    def drop_draft(self, count: int | None = None) -> None:
+        """Remove the last ``count`` proposed tokens (all of them by default), before any of
+        them is computed. A sequence holding blocks goes through `BlockManager.truncate`."""
+        count = self.num_draft_tokens if count is None else count
+        if not 0 <= count <= self.num_draft_tokens:
+            raise ValueError(f"sequence {self.seq_id}: cannot drop {count} of {self.num_draft_tokens} draft tokens")
+        self.truncate(len(self.token_ids) - count)
+        self.num_draft_tokens -= count
 
     def truncate(self, num_tokens: int) -> None:
         """Drop the tokens from position ``num_tokens`` on (generated tokens only).

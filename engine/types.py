@@ -113,15 +113,35 @@ class Stats:
     itl_ms_p50: float | None = None  # inter-token latency
     itl_ms_p95: float | None = None
     total_s: float | None = None
-    drafted_tokens: int | None = None
-    accepted_tokens: int | None = None
+    drafted_tokens: int | None = None  # speculative decoding: draft tokens verified,
+    accepted_tokens: int | None = None  # how many of them the target kept,
+    target_steps: int | None = None  # and the target's forward passes that produced tokens
     kv_blocks_used: int | None = None
     kv_blocks_total: int | None = None
     achieved_sparsity: float | None = None
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Share of draft tokens the target kept."""
+        if not self.drafted_tokens:
+            return None
+        return (self.accepted_tokens or 0) / self.drafted_tokens
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens produced per target forward pass (1.0 without speculation)."""
+        if not self.target_steps:
+            return None
+        return self.completion_tokens / self.target_steps
+
     def to_dict(self) -> dict[str, Any]:
-        """Reported fields only."""
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        """Reported fields only (and, when speculating, the acceptance rate and tokens per step)."""
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.acceptance_rate is not None:
+            out["acceptance_rate"] = self.acceptance_rate
+        if self.tokens_per_step is not None:
+            out["tokens_per_step"] = self.tokens_per_step
+        return out
 
 
 @dataclass(frozen=True)

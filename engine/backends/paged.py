@@ -12,23 +12,26 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 import torch
-
-from llmlocal.models import ResolvedModel
+from llmlocal.models import ModelSpec, ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
 
 from ..block_manager import BlockManager
 from ..detokenize import TextStream
+from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter, Proposal
 from ..model.loader import load_gguf, load_hf
 from ..model_runner import ModelRunner, StepItem
 from ..plan import Plan
 from ..sampling import make_generator, sample_batch
 from ..scheduler import RequestTooLargeError, Scheduler
 from ..sequence import Sequence
+from ..spec_control import DraftLength
+from ..speculative import verify
 from ..stats import StatsRecorder
 from ..tokenizer import HFTokenizer, LlamaCppTokenizer, Tokenizer
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent
@@ -49,6 +52,10 @@ class _Stream:
     index: int = 0  # which of the request's n samples
     siblings: list[_Stream] = field(default_factory=list)  # samples 1..n-1, forked at the first token
     kv_blocks_used: int = 0  # pool blocks in use at this sequence's last step
+    proposal: Proposal | None = None  # the drafts appended to the sequence for this step
+    drafted: int = 0  # draft tokens verified, and how many of them the target kept
+    accepted: int = 0
+    target_steps: int = 0  # steps that produced tokens for this sample
 
 
 class _EngineFailure:
@@ -76,9 +83,21 @@ class PagedBackend:
     name = "paged"
 
     def __init__(
-        self, runner: ModelRunner, tokenizer: Tokenizer, n_ctx: int, max_num_seqs: int, max_batched_tokens: int
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        n_ctx: int,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        drafter: Drafter | None = None,
+        draft_k: int | None = None,
     ) -> None:
         self.runner = runner
+        self.drafter = drafter
+        ratio = 0.0
+        if isinstance(drafter, DraftModel):
+            ratio = drafter.runner.model.weight_bytes() / max(1, runner.model.weight_bytes())
+        self.draft_length = DraftLength(fixed=draft_k, draft_ratio=ratio) if drafter is not None else None
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self.device = str(runner.device)
@@ -100,7 +119,9 @@ class PagedBackend:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def load(cls, model: ResolvedModel, plan: Plan) -> PagedBackend:
+    def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None) -> PagedBackend:
+        """Load ``model`` as the plan says; ``drafter`` overrides the plan's ``draft`` (a
+        drafter of the caller's own, e.g. to test verification with known proposals)."""
         device = pick_device(plan)
         dtype = pick_dtype(plan, device)
         spec = model.spec
@@ -118,7 +139,17 @@ class PagedBackend:
         # (the planner will size this from free memory).
         num_blocks = plan.kv_blocks or -(-n_ctx // block_size) * min(plan.max_batch, 4)
         runner = ModelRunner(net, num_blocks, block_size, kv_dtype=dtype)
-        return cls(runner, tokenizer, n_ctx, plan.max_batch, plan.max_batch_tokens)
+        if drafter is None and plan.draft == "ngram":
+            drafter = NgramDrafter()
+        elif drafter is None and plan.draft:
+            draft = resolve(plan.draft)
+            check_same_vocabulary(spec, draft.spec, plan.draft)
+            if draft.spec.format == "gguf":
+                draft_net = load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx)
+            else:
+                draft_net = load_hf(draft.path, device, dtype, "auto", max_position=n_ctx)
+            drafter = DraftModel(ModelRunner(draft_net, num_blocks, block_size, kv_dtype=dtype))
+        return cls(runner, tokenizer, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)
 
     def close(self) -> None:
         with self._work:
@@ -203,41 +234,124 @@ class PagedBackend:
                 self._finish(seq, "cancelled")
         if not self._live:
             return
+        if self.drafter is not None:
+            self._propose()
         out = self.scheduler.schedule()
+        if self.drafter is not None:
+            for seq_id in out.preempted:
+                self.drafter.release(seq_id)
         if out.is_empty:
             return
         used = self.blocks.num_used_blocks
         self.runner.copy_blocks([(c.src, c.dst) for c in out.copies])
-        items = [StepItem(s.seq, s.start, s.num_tokens, s.samples) for s in out.items]
+        items = [
+            StepItem(s.seq, s.start, s.num_tokens, s.samples, 1 + s.seq.num_draft_tokens if s.samples else 1)
+            for s in out.items
+        ]
+        t0 = time.perf_counter()
         logits, sampled_items = self.runner.execute(items)
-        streams: list[_Stream] = [it.seq.extra for it in sampled_items]  # type: ignore[misc]
-        tokens = sample_batch(
-            logits,
-            [s.request.sampling for s in streams],
-            [it.seq.token_ids for it in sampled_items],
-            [s.generator for s in streams],
-        )
+        new_tokens = self._sample(logits, sampled_items)
+        if self.draft_length is not None:
+            self.draft_length.observe_target(out.num_batched_tokens, time.perf_counter() - t0)
         sampled: dict[int, int] = {}
+        accepted: dict[int, int] = {}
         stopped: set[int] = set()
         forks: list[tuple[Sequence, list[tuple[_Stream, int]]]] = []
-        for row, (it, stream, token) in enumerate(zip(sampled_items, streams, tokens)):
+        row = 0
+        for it, tokens in zip(sampled_items, new_tokens):
+            stream: _Stream = it.seq.extra  # type: ignore[assignment]
             sid = it.seq.seq_id
-            sampled[sid] = token
             stream.kv_blocks_used = used
+            stream.target_steps += 1
             if stream.siblings:  # n > 1: the other samples draw their first token from these logits
+                last = logits[row + it.num_logits - 1 : row + it.num_logits]
                 draws = [
-                    (sib, sample_batch(logits[row : row + 1], [sib.request.sampling], [it.seq.token_ids], [sib.generator])[0])
+                    (sib, sample_batch(last, [sib.request.sampling], [it.seq.token_ids], [sib.generator])[0])
                     for sib in stream.siblings
                 ]
                 forks.append((it.seq, draws))
                 stream.siblings = []
-            if self._emit(stream, token):
-                stopped.add(sid)
-        for seq in self.scheduler.update(out, sampled, stopped):
+            row += it.num_logits
+            for j, token in enumerate(tokens):
+                if self._emit(stream, token):
+                    tokens = tokens[: j + 1]
+                    stopped.add(sid)
+                    break
+            sampled[sid] = tokens[-1]
+            if it.seq.num_draft_tokens:
+                accepted[sid] = len(tokens) - 1
+        for seq in self.scheduler.update(out, sampled, stopped, accepted):
             self._finish(seq, seq.finish_reason or "stop")
         for parent, draws in forks:
             for sib, token in draws:
                 self._start_sibling(parent, sib, token)
+
+    def _sample(self, logits: torch.Tensor, items: list[StepItem]) -> list[list[int]]:
+        """The tokens each sampling item produces: one, or (verifying drafts) the kept drafts
+        and the target's next token."""
+        starts = np.cumsum([0] + [it.num_logits for it in items])
+        plain = [i for i, it in enumerate(items) if not it.seq.num_draft_tokens]
+        out: list[list[int]] = [[] for _ in items]
+        if plain:
+            streams: list[_Stream] = [items[i].seq.extra for i in plain]  # type: ignore[misc]
+            rows = torch.as_tensor([int(starts[i]) for i in plain])
+            tokens = sample_batch(
+                logits[rows],
+                [s.request.sampling for s in streams],
+                [items[i].seq.token_ids for i in plain],
+                [s.generator for s in streams],
+            )
+            for i, token in zip(plain, tokens):
+                out[i] = [token]
+        for i, it in enumerate(items):
+            if out[i]:
+                continue
+            seq, stream = it.seq, it.seq.extra
+            assert isinstance(stream, _Stream) and stream.proposal is not None
+            k = seq.num_draft_tokens  # the scheduler may have trimmed the proposal
+            drafts = seq.token_ids[seq.num_tokens - k :]
+            probs = stream.proposal.probs[:k] if stream.proposal.probs is not None else None
+            verdict = verify(
+                logits[int(starts[i]) : int(starts[i + 1])], drafts, probs, stream.request.sampling,
+                seq.token_ids[: seq.num_tokens - k], stream.generator,
+            )
+            stream.proposal = None
+            stream.drafted += k
+            stream.accepted += verdict.accepted
+            assert self.draft_length is not None
+            self.draft_length.observe(seq.seq_id, k, verdict.accepted)
+            out[i] = drafts[: verdict.accepted] + [verdict.token]
+        return out
+
+    def _propose(self) -> None:
+        """Append draft tokens to the decoding sequences where the cost model says they pay."""
+        assert self.drafter is not None and self.draft_length is not None
+        running = self.scheduler.running
+        decoding = [
+            s for s in running
+            if s.num_uncomputed_tokens == 1 and not s.num_draft_tokens and not s.extra.cancel.is_set()  # type: ignore[union-attr]
+        ]
+        if not decoding:
+            return
+        step_tokens = min(self.scheduler.max_num_batched_tokens, sum(s.num_uncomputed_tokens for s in running))
+        room = {s.seq_id: self.scheduler.token_limit(s) - s.num_tokens - 1 for s in decoding}
+        ks = self.draft_length.choose([s.seq_id for s in decoding], step_tokens, room)
+        self.draft_length.decay_idle([sid for sid, k in ks.items() if k == 0])
+        requests = []
+        for seq in decoding:
+            if ks[seq.seq_id] > 0:
+                stream: _Stream = seq.extra  # type: ignore[assignment]
+                requests.append(DraftRequest(seq, ks[seq.seq_id], stream.request.sampling, stream.generator))
+        if not requests:
+            return
+        t0 = time.perf_counter()
+        proposals = self.drafter.propose(requests)
+        if isinstance(self.drafter, DraftModel):
+            self.draft_length.observe_draft(self.drafter.last_tokens, self.drafter.last_passes, time.perf_counter() - t0)
+        for req, proposal in zip(requests, proposals):
+            if proposal.tokens:
+                req.seq.add_draft(proposal.tokens)
+                req.seq.extra.proposal = proposal  # type: ignore[union-attr]
 
     def _emit(self, stream: _Stream, token: int) -> bool:
         """Stream one sampled token's text; True if the sample ends here (EOG or stop string)."""
@@ -276,6 +390,11 @@ class PagedBackend:
         """Close the stream of a sequence the scheduler has already let go of."""
         stream: _Stream = seq.extra  # type: ignore[assignment]
         self._live.pop(seq.seq_id, None)
+        spec: dict[str, object] = {}
+        if self.drafter is not None:
+            self.drafter.release(seq.seq_id)
+            self.draft_length.forget(seq.seq_id)  # type: ignore[union-attr]
+            spec = {"drafted_tokens": stream.drafted, "accepted_tokens": stream.accepted, "target_steps": stream.target_steps}
         tail = stream.text.flush()
         if tail:
             stream.events.put(TokenEvent(tail, (), stream.index))
@@ -285,6 +404,7 @@ class PagedBackend:
             n_ctx=self.n_ctx,
             kv_blocks_used=stream.kv_blocks_used,
             kv_blocks_total=self.blocks.num_blocks,
+            **spec,
         )
         stream.events.put(DoneEvent(stream.text.text, reason, stats, stream.index))
 
@@ -312,3 +432,16 @@ class PagedBackend:
             return []
         lp = self.log_probs(token_ids)
         return lp[np.arange(len(token_ids) - 1), token_ids[1:]].astype(np.float64).tolist()
+
+
+def check_same_vocabulary(target: ModelSpec, draft: ModelSpec, name: str) -> None:
+    """A draft proposes token ids the target must read the same way: refuse another tokenizer."""
+    same = target.vocab_size == draft.vocab_size and (
+        not target.tokens or not draft.tokens or target.vocab_fingerprint == draft.vocab_fingerprint
+    )
+    if not same:
+        raise LLMLocalError(
+            f"The draft model {name} has a different tokenizer than the target ({draft.vocab_size} vs "
+            f"{target.vocab_size} tokens, or different token strings): use a draft of the same model "
+            "family, or --draft ngram."
+        )

@@ -1,0 +1,197 @@
+"""Drafters: cheap proposals of the next k tokens, which the target model then verifies.
+
+* `DraftModel` runs a second, smaller (or INT4) model of the same vocabulary in the engine,
+  with its own KV blocks: each target sequence has a mirror sequence in the draft's block
+  manager. Before proposing, the mirror is synced to the target's tokens by truncating it to
+  their common prefix (dropping the K/V of drafts the target rejected: no copies) and
+  appending what the target added; then the draft decodes k tokens, batched over sequences.
+* `NgramDrafter` (prompt lookup) proposes the continuation of the latest earlier occurrence
+  of the sequence's last n tokens: free, and good when the reply quotes its input.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner, StepItem
+from .sampling import apply_repeat_penalty, filtered_probs
+from .sequence import Sequence
+from .types import SamplingParams
+
+PREFILL_CHUNK = 512  # draft prompt tokens per forward pass when a mirror catches up
+
+
+@dataclass
+class DraftRequest:
+    seq: Sequence  # a target sequence in decode, without drafts
+    k: int  # tokens wanted (the drafter may return fewer)
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None  # (len(tokens), V) the drafter's distributions; None: point masses
+
+
+class Drafter(Protocol):
+    name: str
+    seconds: float  # time spent proposing, summed (for the cost model)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]: ...
+
+    def release(self, seq_id: int) -> None:
+        """Forget a target sequence (finished, cancelled or preempted)."""
+        ...
+
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.seconds = 0.0
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        t0 = time.perf_counter()
+        out = [Proposal(lookup(r.seq.token_ids, r.k, self.max_ngram, self.min_ngram), None) for r in requests]
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+
+def lookup(tokens: list[int], k: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix n-gram
+    (n from max_ngram down to min_ngram); [] when the suffix never occurred before."""
+    n_tokens = len(tokens)
+    if k < 1 or n_tokens <= min_ngram:
+        return []
+    last = tokens[-1]
+    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
+        suffix = tokens[n_tokens - n :]
+        # candidate ends j (the position of the suffix's last token), latest first, excluding
+        # the suffix itself
+        for j in range(n_tokens - 2, n - 2, -1):
+            if tokens[j] == last and tokens[j - n + 1 : j + 1] == suffix:
+                return tokens[j + 1 : j + 1 + k]
+    return []
+
+
+class DraftModel:
+    """A draft model with its own KV pool; one mirror sequence per target sequence."""
+
+    name = "model"
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True)
+        self._mirrors: dict[int, Sequence] = {}
+        self.seconds = 0.0
+        self.last_passes = 0  # forward passes and tokens of the last `propose`
+        self.last_tokens = 0
+
+    def release(self, seq_id: int) -> None:
+        mirror = self._mirrors.pop(seq_id, None)
+        if mirror is not None and mirror.block_table:
+            self.blocks.free(mirror)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        t0 = time.perf_counter()
+        try:
+            return self._propose(requests)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = [i for i, r in enumerate(requests) if r.k > 0 and self._sync(r.seq, r.k)]
+        self.last_passes = self.last_tokens = 0
+        while active:
+            items = []
+            for i in active:
+                m = self._mirrors[requests[i].seq.seq_id]
+                n = min(m.num_uncomputed_tokens, PREFILL_CHUNK)
+                items.append(StepItem(m, m.num_computed_tokens, n, n == m.num_uncomputed_tokens))
+            logits, sampled = self.runner.execute(items)
+            self.last_passes += 1
+            self.last_tokens += sum(it.num_tokens for it in items)
+            for it in items:
+                self.blocks.mark_computed(it.seq, it.num_tokens)
+            by_mirror = {id(it.seq): row for row, it in enumerate(sampled)}
+            still = []
+            for i in active:
+                r = requests[i]
+                m = self._mirrors[r.seq.seq_id]
+                row = by_mirror.get(id(m))
+                if row is None:  # a long catch-up continues next pass
+                    still.append(i)
+                    continue
+                token, q = _draw(logits[row], r.params, m.token_ids, r.generator)
+                m.append_token(token)
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+                if len(tokens[i]) < r.k and self.blocks.can_append(m, 1):
+                    copy = self.blocks.append_slots(m, 1)
+                    if copy is not None:
+                        self.runner.copy_blocks([(copy.src, copy.dst)])
+                    still.append(i)
+            active = still
+        return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def _sync(self, seq: Sequence, k: int) -> bool:
+        """Make the mirror of ``seq`` hold exactly its tokens, with slots for them; False if the
+        draft's pool has no room (no drafting for this sequence this step)."""
+        target = seq.token_ids
+        m = self._mirrors.get(seq.seq_id)
+        if m is None:
+            m = Sequence(seq.seq_id, target)
+            m.num_prompt_tokens = 1  # a mirror may be cut back to any length but its first token
+            if not self.blocks.can_allocate(m):
+                return False
+            self.blocks.allocate(m)  # prefix hits: shared prompts are computed once
+            self._mirrors[seq.seq_id] = m
+        else:
+            common = _common_prefix(m.token_ids, target)
+            self.blocks.truncate(m, max(common, 1))
+            common = m.num_tokens
+            m.token_ids.extend(target[common:])
+        if m.num_uncomputed_tokens == 0:  # the target's last token is always recomputed
+            self.blocks.truncate(m, m.num_tokens - 1)
+            m.token_ids.append(target[-1])
+        need = m.num_uncomputed_tokens
+        if not self.blocks.can_append(m, need):
+            return False
+        copy = self.blocks.append_slots(m, need)
+        if copy is not None:
+            self.runner.copy_blocks([(copy.src, copy.dst)])
+        return True
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _draw(
+    logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
+    """The draft's token and (when sampling) the distribution it was drawn from: the same
+    filters as the target's, so verification compares like with like."""
+    row = apply_repeat_penalty(logits, history, params)
+    if params.greedy:
+        return int(row.argmax()), None
+    q = filtered_probs(row, params)
+    return int(torch.multinomial(q, 1, generator=generator)), q

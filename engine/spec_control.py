@@ -1,0 +1,139 @@
+"""How many tokens to draft, per sequence and step: a small cost model, measured as it runs.
+
+With a per-token acceptance rate a (the chance the target keeps a draft token, given it kept
+the previous ones), drafting k tokens yields E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
+tokens per target step. A step costs the target's forward pass over B + sum(k_i) tokens plus
+the draft's k_max passes. Both costs are modelled as t(M) = c + s * M for a pass over M
+tokens (fixed cost: weights read once and per-pass overhead; s: per-token compute) and
+fitted by least squares over the last steps. Each step the controller picks, among "the m
+sequences with the best acceptance draft k tokens, the others none", the choice with the most
+tokens per second, so a sequence whose drafts are mostly wrong stops drafting, and a large
+batch (where the target's pass is no longer cheap per extra token) drafts less or not at all.
+
+Acceptance is tracked per sequence as decayed counts of kept and rejected tokens with a
+prior of one each; the counts also decay on steps without drafting, so a sequence that
+stopped drafting drifts back to the prior and is probed again later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+DECAY = 0.9  # weight of the past in the acceptance counts, per step
+
+
+@dataclass
+class _Acceptance:
+    kept: float = 1.0
+    rejected: float = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+
+@dataclass
+class LinearCost:
+    """t(M) = fixed + per_token * M, fitted to recent (M, seconds) observations."""
+
+    fixed: float
+    per_token: float
+    history: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.history.append((float(tokens), seconds))
+        if len(self.history) < 4:
+            if len(self.history) == 1:  # first measurement: scale the prior to it
+                prior = self(tokens)
+                if prior > 0:
+                    self.fixed *= seconds / prior
+                    self.per_token *= seconds / prior
+                else:
+                    self.fixed, self.per_token = seconds, 0.0
+            return
+        xs = [m for m, _ in self.history]
+        ys = [t for _, t in self.history]
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        if var > 0:
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+            self.per_token = max(slope, 0.0)
+        self.fixed = max(my - self.per_token * mx, 1e-6)
+
+    def __call__(self, tokens: float) -> float:
+        return self.fixed + self.per_token * tokens
+
+
+def expected_tokens(k: int, rate: float) -> float:
+    """Tokens a step yields with k drafts at acceptance rate ``rate`` (the bonus included)."""
+    if rate >= 1.0:
+        return k + 1.0
+    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+class DraftLength:
+    """Chooses k per sequence. ``fixed`` pins k (no adaptation); ``draft_ratio`` is the prior
+    draft/target cost ratio of a forward pass (the weight bytes ratio is a fair guess)."""
+
+    def __init__(self, k_max: int = 8, fixed: int | None = None, draft_ratio: float = 0.25) -> None:
+        self.k_max = fixed if fixed is not None else k_max
+        self.fixed = fixed
+        self.target = LinearCost(fixed=1.0, per_token=0.02)
+        self.draft = LinearCost(fixed=draft_ratio, per_token=0.02 * draft_ratio)
+        self._acc: dict[int, _Acceptance] = {}
+
+    def rate(self, seq_id: int) -> float:
+        return self._acc.setdefault(seq_id, _Acceptance()).rate
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        if not self.target.history and not self.draft.history:
+            # the draft's prior is relative to the target's: keep it so in seconds
+            scale = seconds / self.target(tokens)
+            self.draft.fixed *= scale
+            self.draft.per_token *= scale
+        self.target.observe(tokens, seconds)
+
+    def observe_draft(self, tokens: int, passes: int, seconds: float) -> None:
+        """The draft ran ``passes`` forward passes over ``tokens`` tokens in all."""
+        if passes:
+            self.draft.observe(round(tokens / passes), seconds / passes)
+
+    def forget(self, seq_id: int) -> None:
+        self._acc.pop(seq_id, None)
+
+    def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
+        acc = self._acc.setdefault(seq_id, _Acceptance())
+        acc.kept = acc.kept * DECAY + accepted
+        acc.rejected = acc.rejected * DECAY + (1 if accepted < drafted else 0)
+
+    def decay_idle(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            acc = self._acc.setdefault(sid, _Acceptance())
+            acc.kept = 1.0 + (acc.kept - 1.0) * DECAY
+            acc.rejected = 1.0 + (acc.rejected - 1.0) * DECAY
+
+    def choose(self, seq_ids: list[int], batch: int, room: dict[int, int]) -> dict[int, int]:
+        """k for each of ``seq_ids`` (the decoding sequences; ``batch`` counts every sequence
+        in the step, prefills included). ``room`` caps k per sequence (max_tokens, context)."""
+        if not seq_ids:
+            return {}
+        if self.fixed is not None:
+            return {sid: max(0, min(self.fixed, room[sid])) for sid in seq_ids}
+        order = sorted(seq_ids, key=self.rate, reverse=True)
+        rates = [self.rate(s) for s in order]
+        best = (batch / self.target(batch), 0, 0)  # (tokens per second, k, how many draft)
+        for k in range(1, self.k_max + 1):
+            gained = 0.0
+            for m in range(1, len(order) + 1):
+                gained += expected_tokens(k, rates[m - 1]) - 1.0
+                seconds = self.target(batch + k * m) + k * self.draft(m)
+                speed = (batch + gained) / seconds
+                if speed > best[0]:
+                    best = (speed, k, m)
+        _, k, m = best
+        chosen = {sid: 0 for sid in seq_ids}
+        for sid in order[:m]:
+            chosen[sid] = max(0, min(k, room[sid]))
+        return chosen
