@@ -10,12 +10,16 @@ runs the model and returns the logits of the rows that sample a next token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .model.attention import AttentionMetadata, PrefillChunk
 from .model.llama import LlamaModel
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,15 @@ class ModelRunner:
             (torch.zeros(shape, dtype=kv_dtype, device=self.device), torch.zeros(shape, dtype=kv_dtype, device=self.device))
             for _ in range(cfg.n_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
+        """Capture decode steps as CUDA graphs (see `cuda_graphs`); a no-op off CUDA."""
+        if self.device.type == "cuda":
+            from .cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-max_context // self.block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_blocks, self.block_size)
 
     @property
     def kv_bytes(self) -> int:
@@ -114,6 +127,24 @@ class ModelRunner:
             meta.block_tables = tables
             meta.context_lens = (pos + 1).to(torch.int32)
             meta.max_context_len = max(it.start for it in decodes) + 1
+            if (
+                self.graphs is not None and not prefills and kv_caches is None
+                and self.graphs.can_run(len(decodes), width)
+            ):
+                ids = torch.tensor(input_ids, device=dev)
+                logits = self.graphs.run(ids, pos, slot_parts[0], tables, meta.context_lens)
+                return logits, list(decodes)
+            if dev.type == "cpu":
+                # every position of every context, once for all layers: (B, L) slots
+                length = meta.max_context_len
+                offsets = torch.arange(self.block_size, device=dev)
+                slots = (tables.long()[:, :, None] * self.block_size + offsets).view(len(decodes), -1)[:, :length]
+                meta.decode_slots = slots.contiguous()
+                if any(it.start + 1 != length for it in decodes):
+                    valid = torch.arange(length, device=dev)[None, :] < meta.context_lens[:, None]  # (B, L)
+                    # padding points at slot 0, which holds finite values (the pool is zeroed)
+                    meta.decode_slots = torch.where(valid, slots, 0).contiguous()
+                    meta.decode_mask = valid[:, None, None, :]
 
         offset = len(decodes)
         for it in prefills:

@@ -4,12 +4,15 @@ Scenarios:
   decode   batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation, per backend
   batch    N concurrent requests: paged (batched) vs llamacpp (one after another), KV waste
   prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold
+  spec     speculative decoding (paged): an fp32 target with an INT4 draft of itself (or
+           --draft M), and n-gram lookup on a summarising prompt; batch 1 and batch 8
 
 Examples:
 
     llmlocal bench decode --json
     llmlocal bench batch --requests 16 --json
     llmlocal bench prefix --model ~/models/llama-3.2-1b-q4_0.gguf
+    llmlocal bench spec --json
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench", help="measure speed: decode, batch, prefix", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("scenario", choices=["decode", "batch", "prefix"])
+    p.add_argument("scenario", choices=["decode", "batch", "prefix", "spec"])
     p.add_argument("--model", "-m", default=None, metavar="M", help="model name or path (default: smollm2-135m)")
     p.add_argument("--backends", default="paged,llamacpp", metavar="LIST",
                    help="decode: backends to compare, comma-separated (default: paged,llamacpp)")
     p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
+    p.add_argument("--draft", default=None, metavar="M",
+                   help="spec: the draft model (default: the target's own file, as INT4)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -44,8 +49,12 @@ def run(args: argparse.Namespace) -> int:
         result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens)
     elif args.scenario == "batch":
         result = bench.bench_batch(args.model, requests=args.requests)
-    else:
+    elif args.scenario == "prefix":
         result = bench.bench_prefix(args.model)
+    else:
+        from llmlocal.engine.bench_spec import bench_spec
+
+        result = bench_spec(args.model, args.draft, max_tokens=args.max_tokens)
     if args.json:
         print(json.dumps(result))
     else:

@@ -10,6 +10,7 @@ All scheduler, block-manager and sequence state is touched only under `_lock`.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 import time
@@ -139,6 +140,8 @@ class PagedBackend:
         # (the planner will size this from free memory).
         num_blocks = plan.kv_blocks or -(-n_ctx // block_size) * min(plan.max_batch, 4)
         runner = ModelRunner(net, num_blocks, block_size, kv_dtype=dtype)
+        if device.type == "cuda" and os.environ.get("LLMLOCAL_CUDA_GRAPHS", "1") != "0":
+            runner.enable_cuda_graphs(plan.max_batch, n_ctx)
         if drafter is None and plan.draft == "ngram":
             drafter = NgramDrafter()
         elif drafter is None and plan.draft:

@@ -4,8 +4,10 @@ A step's tokens are flattened into one batch of N tokens: first `num_decode` seq
 one new token each, then prefill chunks (a run of new tokens of one sequence, possibly after
 a cached prefix). Every token's K/V is first written to its slot; then
 
-* decodes attend through their block tables with the paged decode kernel (Triton on CUDA,
-  the torch reference elsewhere);
+* decodes attend through their block tables with the paged decode kernel on CUDA; on a CPU
+  the step's runner gathers each sequence's slots once (``decode_slots``), and every layer
+  copies those K/V rows with one ``index_select`` and calls one fused attention — a decode
+  step on a CPU is bound by the number of torch calls per layer, not by their arithmetic;
 * each prefill chunk attends, with `scaled_dot_product_attention`, to the sequence's whole
   context so far, gathered from the cache: its cached prefix and the chunk itself, causally.
 """
@@ -16,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
 from llmlocal.native.paged_attention import paged_decode_attention, write_kv
 
 
@@ -36,6 +37,10 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None  # (num_decode,) int32, including the new token
     max_context_len: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # CPU decode: (num_decode, L) int64 slots of each sequence's context, padded with slot 0;
+    # and (num_decode, 1, 1, L) bool of the real ones (None when every context is L long)
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -48,16 +53,24 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """(N, H, D) attention outputs for the step's tokens; writes their K/V to the cache."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
+    n_kv, d = k_cache.shape[2], k_cache.shape[3]
+    if meta.decode_slots is not None:  # the CPU path: plain indexed copies, no kernel checks
+        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    else:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode
-    if nd:
+    if nd and meta.decode_slots is not None and not meta.prefills:
+        return _gathered_decode(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    if nd and meta.decode_slots is not None:
+        out[:nd] = _gathered_decode(q[:nd], k_cache, v_cache, meta, scale)
+    elif nd:
         assert meta.block_tables is not None and meta.context_lens is not None
         out[:nd] = paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len
         )
     if meta.prefills:
-        n_kv, d = k_cache.shape[2], k_cache.shape[3]
         flat_k = k_cache.view(-1, n_kv, d)  # (slots, Hkv, D)
         flat_v = v_cache.view(-1, n_kv, d)
         for chunk in meta.prefills:
@@ -70,6 +83,29 @@ def paged_attention(
                 cv = flat_v[chunk.slots].to(q.dtype)
             out[rows] = _causal_attention(q[rows], ck, cv, chunk.start, scale)
     return out
+
+
+def _gathered_decode(
+    q: torch.Tensor,  # (B, H, D), one query token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """(B, H, D): each sequence's query over its context rows, gathered by slot."""
+    assert meta.decode_slots is not None
+    b, h, d = q.shape
+    n_kv = k_cache.shape[2]
+    slots = meta.decode_slots  # (B, L)
+    length = slots.shape[1]
+    k = k_cache.view(-1, n_kv, d).index_select(0, slots.view(-1)).view(b, length, n_kv, d)  # (B, L, Hkv, D)
+    v = v_cache.view(-1, n_kv, d).index_select(0, slots.view(-1)).view(b, length, n_kv, d)
+    # GQA: the h // n_kv query heads of one kv head are that head's queries at one position
+    qh = q.view(b, n_kv, h // n_kv, d)  # (B, Hkv, G, D)
+    o = F.scaled_dot_product_attention(
+        qh, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask, scale=scale
+    )  # (B, Hkv, G, D)
+    return o.reshape(b, h, d)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

@@ -11,8 +11,8 @@ onto it exactly with g = 32:  Q4_0  w = (q - 8) d           -> scale d, zero 0
                               Q4_K  w = d sc q - dmin mn    -> scale d sc, zero 8 d sc - dmin mn
 INT8 (per output channel, symmetric): W[n, k] = q[n, k] * scale[n], q in [-128, 127].
 
-On CPU the INT4 op is fast only with bf16 activations (it falls back to a slow path for
-fp32), so INT4 layers compute in bf16 and return the caller's dtype.
+On CPU the INT4 and INT8 ops are fast only with bf16 activations (they fall back to slow
+paths for fp32), so those layers compute in bf16 there and return the caller's dtype.
 """
 
 from __future__ import annotations
@@ -96,9 +96,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])  # (M, K)
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale.to(x.dtype))
-        y = y.reshape(*shape[:-1], self.out_features)
+        # on CPU the op is several times faster with bf16 activations than with fp32
+        dtype = torch.bfloat16 if x.device.type == "cpu" else x.dtype
+        x2 = x.reshape(-1, shape[-1]).to(dtype)  # (M, K)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale.to(dtype))
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
     def weight_bytes(self) -> int:

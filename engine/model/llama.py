@@ -5,9 +5,9 @@
                 h = h + down(silu(gate(x)) * up(x)),               x = rms_norm(h)
     logits = lm_head(rms_norm(h))
 
-q/k/v and gate/up are fused into one matmul each (fewer, larger GEMVs per token). RoPE uses
-the Hugging Face convention (`rotate_half`: pairs (i, i + D/2)); GGUF weights are un-permuted
-at load time to match.
+q/k/v and gate/up are fused into one matmul each (fewer, larger GEMVs per token). RoPE rotates
+interleaved pairs (2j, 2j + 1), llama.cpp's layout for llama GGUFs; the loader permutes
+Hugging Face (and qwen2) q/k rows into it (see `Rotary`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from .linear import Linear
+from .linear import Int8Linear, Linear
 
 
 class RMSNorm(nn.Module):
@@ -28,30 +28,35 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        # one fused call; in fp32 whatever the activations' dtype
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position up to `max_position`."""
+    """Rotation factors e^(i pos f_j) for every position up to `max_position`.
+
+    The model keeps q and k heads in the interleaved layout: dims (2j, 2j + 1) form pair j,
+    rotated by angle pos * f_j. That is how llama.cpp stores llama and mistral GGUFs; the
+    loader permutes other sources into it (attention scores are unchanged by a permutation
+    applied to both q and k). A head is then D/2 complex numbers and RoPE one complex product.
+    """
 
     def __init__(self, inv_freq: torch.Tensor, max_position: int) -> None:
         super().__init__()
         t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())  # (P, D/2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        angles = torch.outer(t, inv_freq.float())  # (P, D/2)
+        self.register_buffer("cis", torch.polar(torch.ones_like(angles), angles), persistent=False)  # complex64
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(N, 1, D/2) cos and sin of the step's positions, shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> torch.Tensor:
+        """(N, 1, D/2) complex factors of the step's positions, shared by every layer."""
+        return self.cis[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (N, heads, D) rotated by position, pairing dims i and i + D/2."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """x (N, heads, D), interleaved pairs, rotated by position."""
+    n, heads, d = x.shape
+    xc = torch.view_as_complex(x.float().reshape(n, heads, d // 2, 2))  # (N, heads, D/2)
+    return torch.view_as_real(xc * cis).reshape(n, heads, d).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -75,7 +80,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,  # (N, d)
-        rope: tuple[torch.Tensor, torch.Tensor],  # (N, 1, D/2) cos, sin
+        rope: torch.Tensor,  # (N, 1, D/2) complex rotation factors
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -84,7 +89,7 @@ class DecoderLayer(nn.Module):
         hd = self.head_dim
         qk, v = qkv.split([(self.n_heads + self.n_kv) * hd, self.n_kv * hd], dim=-1)
         # q and k heads rotate together: one set of elementwise ops instead of two
-        qk = apply_rotary(qk.reshape(n, self.n_heads + self.n_kv, hd), *rope)  # (N, H + Hkv, D)
+        qk = apply_rotary(qk.reshape(n, self.n_heads + self.n_kv, hd), rope)  # (N, H + Hkv, D)
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (N, H, D), (N, Hkv, D)
         v = v.reshape(n, self.n_kv, hd)
         attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (N, H, D)
@@ -106,19 +111,30 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Parameter(embed, requires_grad=False)
+        self._dtype, self._device = embed.dtype, embed.device
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
         self.rotary = Rotary(inv_freq.to(embed.device), max_position).to(embed.device)
+        self.embed: torch.Tensor | None = nn.Parameter(embed, requires_grad=False)
+        self.embed_int8: Int8Linear | None = None
+
+    def quantize_tied_head(self) -> None:
+        """Store a tied embedding as per-row INT8, shared by the token lookup and the output
+        head: the head reads a quarter of the fp32 bytes per token (on the starter model the
+        fp32 head alone is 113 MB a token), and a looked-up row is dequantized on the fly."""
+        if self.lm_head is not None or self.embed is None:
+            return
+        self.embed_int8 = Int8Linear(self.embed.data.float())
+        self.embed = None
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self._device
 
     def forward(
         self,
@@ -128,7 +144,11 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """(N, d) final hidden states (normalized)."""
-        h = F.embedding(input_ids, self.embed)  # (N, d)
+        if self.embed_int8 is not None:
+            q = self.embed_int8  # (vocab, d) int8 rows, (vocab,) scales
+            h = F.embedding(input_ids, q.qweight).to(self._dtype) * q.scale[input_ids, None].to(self._dtype)  # (N, d)
+        else:
+            h = F.embedding(input_ids, self.embed)  # (N, d)
         rope = self.rotary.tables(positions)
         for layer, kv in zip(self.layers, kv_caches):
             h = layer(h, rope, kv, meta)
@@ -136,13 +156,17 @@ class LlamaModel(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(M, d) hidden -> (M, vocab) float32 logits."""
-        if self.lm_head is None:
-            return F.linear(h, self.embed).float()
-        return self.lm_head(h).float()
+        if self.lm_head is not None:
+            return self.lm_head(h).float()
+        if self.embed_int8 is not None:
+            return self.embed_int8(h).float()
+        return F.linear(h, self.embed).float()
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per token (what decode speed is bound by)."""
-        total = self.embed.numel() * self.embed.element_size() if self.lm_head is None else 0
+        total = 0
+        if self.lm_head is None and self.embed is not None:
+            total = self.embed.numel() * self.embed.element_size()
         for m in self.modules():
             if hasattr(m, "weight_bytes") and m is not self:
                 total += m.weight_bytes()

@@ -12,16 +12,15 @@ size of the loaded model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
-
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
-from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, unpermute_qk
+from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, permute_qk
 
 from .config import config_from_hf, config_from_spec
 from .gguf_tensors import INT4_TYPES, GGUFTensors, Int4Codes
@@ -29,6 +28,7 @@ from .linear import DenseLinear, Int4Linear, Int8Linear, Linear
 from .llama import DecoderLayer, LlamaModel, RMSNorm
 
 WEIGHT_MODES = ("auto", "dense", "int4", "int8")
+FLOAT_TYPES = frozenset({0, 1, 30})  # ggml F32, F16, BF16
 
 
 @dataclass
@@ -91,7 +91,8 @@ def load_gguf(
     _check_mode(weights)
     cfg = config_from_spec(spec)
     t = GGUFTensors(spec)
-    unpermute = cfg.architecture in PERMUTED_QK_ARCHS
+    # the model wants q/k rows in the interleaved RoPE layout, which llama/mistral GGUFs have
+    permute = cfg.architecture not in PERMUTED_QK_ARCHS
 
     def need(name: str) -> str:
         if name not in t:
@@ -101,7 +102,7 @@ def load_gguf(
     def part(name: str, heads: int | None = None) -> _Part:
         need(name)
         info = t.info(name)
-        fix = (lambda a: unpermute_qk(a, heads)) if heads and unpermute else (lambda a: a)
+        fix = (lambda a: permute_qk(a, heads)) if heads and permute else (lambda a: a)
         int4 = None
         if info.ggml_type in INT4_TYPES and info.shape[0] % 32 == 0:
             c = t.int4(name)
@@ -133,7 +134,10 @@ def load_gguf(
     if "rope_freqs.weight" in t:  # llama3-style scaling, stored as per-frequency divisors
         inv_freq = inv_freq / torch.from_numpy(t.float32("rope_freqs.weight").copy())
     norm = RMSNorm(vec("output_norm.weight"), cfg.norm_eps)
-    return LlamaModel(cfg, embed, layers, norm, lm_head, inv_freq, max_position or cfg.max_position).eval()
+    model = LlamaModel(cfg, embed, layers, norm, lm_head, inv_freq, max_position or cfg.max_position).eval()
+    if weights != "dense" and cfg.tie_embeddings and t.info("token_embd.weight").ggml_type not in FLOAT_TYPES:
+        model.quantize_tied_head()  # a quantized source: INT8 rows lose next to nothing more
+    return model
 
 
 def load_hf(
@@ -167,9 +171,11 @@ def load_hf(
             handles[fname] = safe_open(str(directory / fname), framework="pt")
         return handles[fname].get_tensor(name).float().numpy()  # type: ignore[attr-defined]
 
-    def part(name: str) -> _Part:
+    def part(name: str, heads: int | None = None) -> _Part:
+        """A projection; q and k (``heads`` given) permuted into the interleaved RoPE layout."""
+        fix = (lambda a: permute_qk(a, heads)) if heads else (lambda a: a)
         bias_name = name.replace(".weight", ".bias")
-        return _Part(None, lambda: get(name), get(bias_name) if bias_name in weight_map else None)
+        return _Part(None, lambda: fix(get(name)), fix(get(bias_name)) if bias_name in weight_map else None)
 
     def vec(name: str) -> torch.Tensor:
         return torch.from_numpy(get(name)).to(device=device, dtype=torch.float32)
@@ -178,7 +184,10 @@ def load_hf(
     for i in range(cfg.n_layers):
         b = f"model.layers.{i}."
         a, m = b + "self_attn.", b + "mlp."
-        qkv = _fuse([part(a + "q_proj.weight"), part(a + "k_proj.weight"), part(a + "v_proj.weight")], weights, dtype, device)
+        qkv = _fuse(
+            [part(a + "q_proj.weight", cfg.n_heads), part(a + "k_proj.weight", cfg.n_kv_heads), part(a + "v_proj.weight")],
+            weights, dtype, device,
+        )
         o = _fuse([part(a + "o_proj.weight")], weights, dtype, device)
         gate_up = _fuse([part(m + "gate_proj.weight"), part(m + "up_proj.weight")], weights, dtype, device)
         down = _fuse([part(m + "down_proj.weight")], weights, dtype, device)

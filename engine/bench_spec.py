@@ -1,0 +1,113 @@
+"""`llmlocal bench spec`: speculative decoding against the same target decoding alone.
+
+Target: the model at full precision (fp32 weights dequantized from the GGUF). Drafts: the
+same file as INT4 weight-only (or ``--draft``), and n-gram prompt lookup on a "summarise this
+pasted text" prompt. Greedy throughout, so every run produces the same tokens as the target
+alone and the speedups compare equal work. Batch 1 (one request) and batch 8 (eight
+concurrent requests, aggregate tokens per second).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from .engine import Engine
+from .plan import Plan
+from .types import DoneEvent, Request, SamplingParams
+
+STORY = "Write a long story about a lighthouse keeper and the sea."
+PASTED = (
+    "The river town of Alder Ford grew up around a single stone bridge. Farmers from both "
+    "banks crossed it every market day, and the toll paid for the school, the well and the "
+    "lamps on the quay. In the wet spring of the flood year the river rose above the arches "
+    "for nine days. The bridge held, but the mill below it was lost, and with it the town's "
+    "only source of flour. The council voted to rebuild the mill in stone, further from the "
+    "water, and to raise the quay by the height of a man. The work took three summers and "
+    "most of the town's savings. When it was finished the miller's daughter, who had kept the "
+    "accounts through all of it, was elected to the council, the first woman to sit there."
+)
+SUMMARISE = f"Summarise this text in a few sentences, keeping its key facts:\n\n{PASTED}"
+
+
+def _generate(engine: Engine, prompt: str, max_tokens: int) -> DoneEvent:
+    done = None
+    request = Request.chat([{"role": "user", "content": prompt}], SamplingParams(temperature=0, max_tokens=max_tokens))
+    for event in engine.generate(request):
+        if isinstance(event, DoneEvent):
+            done = event
+    assert done is not None
+    return done
+
+
+def _serve(engine: Engine, prompts: list[str], max_tokens: int) -> dict[str, float]:
+    """Run ``prompts`` concurrently; aggregate decode figures."""
+    results: list[DoneEvent | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        results[i] = _generate(engine, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    done = [r for r in results if r is not None]
+    tokens = sum(d.stats.completion_tokens for d in done)
+    drafted = sum(d.stats.drafted_tokens or 0 for d in done)
+    accepted = sum(d.stats.accepted_tokens or 0 for d in done)
+    steps = sum(d.stats.target_steps or 0 for d in done)
+    if len(done) == 1:  # batch 1: decode speed proper, without the prompt's prefill
+        tok_s = done[0].stats.decode_tok_s or 0.0
+    else:
+        tok_s = tokens / wall
+    return {
+        "tok_s": tok_s,
+        "tokens": tokens,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "tokens_per_step": tokens / steps if steps else 1.0,
+        "drafted": drafted,
+    }
+
+
+def bench_spec(model: str | None, draft: str | None = None, max_tokens: int = 128, batch: int = 8) -> dict[str, Any]:
+    target = Plan(model=model, backend="paged", weights="dense", dtype="fp32", n_ctx=2048, max_batch=batch)
+    draft = draft or model or "smollm2-135m"
+    single = {"plain": [STORY], "ngram": [SUMMARISE]}
+    many = {"plain": [f"{STORY} ({i})" for i in range(batch)], "ngram": [f"{SUMMARISE}\n({i})" for i in range(batch)]}
+    figures: dict[str, dict[str, dict[str, float]]] = {}
+    for label, plan in (("base", target), ("draft", target.replace(draft=draft)), ("ngram", target.replace(draft="ngram"))):
+        with Engine.load(plan) as engine:
+            _generate(engine, "Hello", 4)  # warm up
+            kind = "ngram" if label == "ngram" else "plain"
+            runs = {"batch1": _serve(engine, single[kind], max_tokens), f"batch{batch}": _serve(engine, many[kind], max_tokens)}
+            if label == "base":  # the plain target on the n-gram prompts too
+                runs["ngram_batch1"] = _serve(engine, single["ngram"], max_tokens)
+                runs[f"ngram_batch{batch}"] = _serve(engine, many["ngram"], max_tokens)
+            figures[label] = runs
+
+    def row(size: str) -> dict[str, float]:
+        base, spec, ngram = figures["base"][size], figures["draft"][size], figures["ngram"][size]
+        base_ngram = figures["base"][f"ngram_{size}"]
+        return {
+            "speedup": spec["tok_s"] / base["tok_s"],
+            "acceptance_rate": spec["acceptance_rate"],
+            "tokens_per_step": spec["tokens_per_step"],
+            "ngram_speedup": ngram["tok_s"] / base_ngram["tok_s"],
+            "ngram_acceptance_rate": ngram["acceptance_rate"],
+            "ngram_tokens_per_step": ngram["tokens_per_step"],
+            "target_tok_s": base["tok_s"],
+            "spec_tok_s": spec["tok_s"],
+            "drafted_per_step": spec["drafted"] / max(1.0, spec["tokens"] / spec["tokens_per_step"]),
+        }
+
+    return {
+        "scenario": "spec",
+        "model": model or "smollm2-135m",
+        "draft": draft,
+        **row("batch1"),
+        f"batch{batch}": row(f"batch{batch}"),
+    }
