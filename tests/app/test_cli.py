@@ -100,3 +100,21 @@ def test_invalid_sampling_value() -> None:
 
 def test_empty_prompt() -> None:
     assert_user_error(llmlocal("run", "   "), "prompt is empty")
+
+
+def test_run_with_ngram_drafting_reports_the_acceptance() -> None:
+    prompt = "Repeat exactly: one two three four five six seven eight nine ten."
+    args = ("run", prompt, "--backend", "paged", "--temperature", "0", "--max-tokens", "24", "--json", "--ctx", "512")
+    plain = llmlocal(*args, timeout=300)
+    spec = llmlocal(*args, "--draft", "ngram", "--draft-k", "4", timeout=300)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    a, b = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert b["text"] == a["text"]  # greedy: speculation changes the speed, never the text
+    assert b["drafted_tokens"] > 0 and 0.0 <= b["acceptance_rate"] <= 1.0 and b["tokens_per_step"] >= 1.0
+    assert "acceptance_rate" not in a
+
+
+def test_draft_with_another_tokenizer_is_one_sentence(make_gguf) -> None:
+    other = make_gguf(arch="llama", name="other.gguf")
+    result = llmlocal("run", "hi", "--backend", "paged", "--draft", str(other), "--ctx", "256", timeout=300)
+    assert_user_error(result, "different tokenizer", "--draft ngram")
