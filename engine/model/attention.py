@@ -55,8 +55,10 @@ def paged_attention(
     """(N, H, D) attention outputs for the step's tokens; writes their K/V to the cache."""
     n_kv, d = k_cache.shape[2], k_cache.shape[3]
     if meta.decode_slots is not None:  # the CPU path: plain indexed copies, no kernel checks
-        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
     else:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode
@@ -101,9 +103,11 @@ def _gathered_decode(
     k = k_cache.view(-1, n_kv, d).index_select(0, slots.view(-1)).view(b, length, n_kv, d)  # (B, L, Hkv, D)
     v = v_cache.view(-1, n_kv, d).index_select(0, slots.view(-1)).view(b, length, n_kv, d)
     # GQA: the h // n_kv query heads of one kv head are that head's queries at one position
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     qh = q.view(b, n_kv, h // n_kv, d)  # (B, Hkv, G, D)
     o = F.scaled_dot_product_attention(
-        qh, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask, scale=scale
+        qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale
     )  # (B, Hkv, G, D)
     return o.reshape(b, h, d)
 

@@ -71,12 +71,15 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(self.compute_dtype)  # (M, K)
+        x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])  # (M, K)
+        x2 = x2.to(self.compute_dtype)
         if self.packed.is_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        y = y.to(x.dtype)
+        if x.dim() != 2:
+            y = y.reshape(*shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
     def weight_bytes(self) -> int:

@@ -29,6 +29,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one fused call; in fp32 whatever the activations' dtype
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
@@ -55,8 +57,10 @@ class Rotary(nn.Module):
 def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     """x (N, heads, D), interleaved pairs, rotated by position."""
     n, heads, d = x.shape
-    xc = torch.view_as_complex(x.float().reshape(n, heads, d // 2, 2))  # (N, heads, D/2)
-    return torch.view_as_real(xc * cis).reshape(n, heads, d).to(x.dtype)
+    xf = x if x.dtype == torch.float32 else x.float()
+    xc = torch.view_as_complex(xf.reshape(n, heads, d // 2, 2))  # (N, heads, D/2)
+    out = torch.view_as_real(xc * cis).reshape(n, heads, d)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
