@@ -15,7 +15,7 @@ from typing import Sequence
 
 from llmlocal.models.errors import LLMLocalError
 
-COMMANDS = ("chat", "run", "bench", "quantize")
+COMMANDS = ("chat", "run", "bench", "quantize", "models", "serve", "plan")
 
 
 def version() -> str:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # keep `--help` free of engine imports
     from llmlocal.engine import Plan, SamplingParams
+    from llmlocal.engine.planner import Choice, Pins
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,16 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sparsity", type=float, default=None, metavar="S",
                    help="sparse backend: fraction of activations to skip (default: the model's "
                         "calibrated level; 0 runs dense through the same kernels)")
+    add_planner_options(g)
+
+
+def add_planner_options(g: argparse._ActionsContainer) -> None:
+    """Flags of the memory planner (shared by `plan`, `chat`, `run`)."""
+    g.add_argument("--gpu-layers", type=int, default=None, metavar="N",
+                   help="llama.cpp: layers to offload to the GPU (default: as many as fit; 0 is CPU only)")
+    g.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="memory the model may use, instead of what is free now: 8G, or 8G,gpu=5G "
+                        "(default: $LLMLOCAL_MEMORY_BUDGET, else probed)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens_default: int | None = None) -> None:
@@ -56,7 +67,8 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens_default: in
                    help="stop when TEXT is generated (repeatable)")
 
 
-def plan_from_args(args: argparse.Namespace) -> Plan:
+def base_plan_from_args(args: argparse.Namespace) -> Plan:
+    """The Plan the flags spell out, before the planner fills in what they leave open."""
     from llmlocal.engine import Plan
 
     return Plan(
@@ -65,6 +77,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         device=args.device,
         n_ctx=args.ctx,
         threads=args.threads,
+        gpu_layers=args.gpu_layers or 0,
         kv_blocks=args.kv_blocks,
         draft=args.draft,
         draft_k=args.draft_k,
@@ -72,6 +85,39 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         endpoint=args.endpoint,
         api_key=args.api_key,
     )
+
+
+def pins_from_args(args: argparse.Namespace) -> Pins:
+    """Every explicit flag pins its dimension; the planner chooses the others."""
+    from llmlocal.engine.planner import Pins
+
+    return Pins(
+        backend=args.backend if args.backend != "auto" else None,
+        device=args.device if args.device != "auto" else None,
+        n_ctx=args.ctx,
+        gpu_layers=args.gpu_layers,
+        draft=True if args.draft else None,
+        kv_blocks=args.kv_blocks,
+    )
+
+
+def choice_from_args(args: argparse.Namespace) -> Choice:
+    """The planner's choice for the flags (what `llmlocal plan` prints)."""
+    from llmlocal.engine.planner import plan_model
+
+    return plan_model(args.model, pins_from_args(args), base_plan_from_args(args), memory_budget=args.memory_budget)
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """The Plan `chat` and `run` load: the planner's choice, with the flags' dimensions pinned.
+
+    Remote endpoints and the sparse backend are not sized by the planner: their Plan is the
+    flags as given.
+    """
+    base = base_plan_from_args(args)
+    if base.endpoint or base.backend in ("sparse", "remote"):
+        return base
+    return choice_from_args(args).plan
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

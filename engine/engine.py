@@ -8,12 +8,19 @@ The engine renders chat messages with the model's template, checks the prompt fi
 context window, tracks cancellation per request, and delegates the rest to the backend.
 `generate` may be called from several threads; a backend that cannot batch serves the
 requests one at a time.
+
+With ``Plan.endpoint`` the backend is a remote OpenAI-compatible server (`remote`): no local
+model is resolved or loaded, and the server renders and counts prompts (the backend says so
+with ``renders_prompts``). The app uses the same calls either way; `exact_token_counts`
+tells it when `count_tokens` is an estimate, and `n_ctx` is None when the server does not
+report its context window.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
@@ -25,6 +32,7 @@ from .types import Event, Message, Request
 
 if TYPE_CHECKING:
     import numpy as np
+    from typing_extensions import Self
 
 
 class ContextOverflowError(LLMLocalError):
@@ -44,12 +52,19 @@ class Engine:
         )
         self._cancels: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
+        self._server_side = bool(getattr(backend, "renders_prompts", False))
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def load(cls, plan: Plan | None = None) -> Engine:
-        """Resolve the plan's model and load it in the plan's backend."""
+        """Resolve the plan's model and load it in the plan's backend (or, with an endpoint,
+        connect to the server; ``plan.model`` then names one of the server's models)."""
         plan = plan or Plan()
+        if plan.endpoint is not None or plan.backend == "remote":
+            from .backends.remote import RemoteBackend
+
+            remote = RemoteBackend.connect(plan)
+            return cls(remote, remote.model, plan.replace(backend="remote", model=remote.model.name, n_ctx=remote.n_ctx))
         model = resolve(plan.model)
         n_ctx = plan.n_ctx or min(model.spec.context_length, DEFAULT_MAX_CTX)
         plan = plan.replace(n_ctx=n_ctx)
@@ -74,7 +89,7 @@ class Engine:
         self.cancel()
         self.backend.close()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -82,8 +97,14 @@ class Engine:
 
     # ---- facts ---------------------------------------------------------------------------
     @property
-    def n_ctx(self) -> int:
+    def n_ctx(self) -> int | None:
+        """Context window in tokens; None only for a remote server that does not report it."""
         return self.backend.n_ctx
+
+    @property
+    def exact_token_counts(self) -> bool:
+        """False when `count_tokens` estimates (a remote server that cannot tokenize chats)."""
+        return not self._server_side or bool(self.backend.exact_chat_counts)  # type: ignore[attr-defined]
 
     @property
     def backend_name(self) -> str:
@@ -96,12 +117,16 @@ class Engine:
     # ---- prompts -------------------------------------------------------------------------
     def render(self, messages: Sequence[Message | Mapping[str, str]]) -> str:
         """The prompt text the model sees for a conversation (generation prompt appended)."""
+        if self._server_side:
+            return self.backend.render([Message.coerce(m) for m in messages])  # type: ignore[attr-defined]
         return self.template.render([Message.coerce(m) for m in messages])
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.backend.tokenize(text, add_special=add_special)
 
     def prompt_ids(self, request: Request) -> list[int]:
+        if self._server_side:
+            return self.backend.prompt_ids(request)  # type: ignore[attr-defined]
         if request.prompt is not None:
             return self.tokenize(request.prompt)
         text = self.template.render(request.messages)
@@ -112,12 +137,16 @@ class Engine:
 
     def count_tokens(self, messages: Sequence[Message | Mapping[str, str]]) -> int:
         """Prompt tokens of a conversation: what the app compares with `n_ctx`."""
+        if self._server_side:
+            return self.backend.count_prompt(Request.chat(messages)).tokens  # type: ignore[attr-defined]
         return len(self.prompt_ids(Request.chat(messages)))
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, request: Request) -> Iterator[Event]:
         """Stream events for ``request``. Raises `ContextOverflowError` before streaming if the
         prompt leaves no room for a reply."""
+        if self._server_side:
+            return self._generate_remote(request)
         prompt_ids = self.prompt_ids(request)
         if len(prompt_ids) >= self.n_ctx:
             spec = self.model.spec
@@ -129,16 +158,34 @@ class Engine:
             raise ContextOverflowError(
                 f"The prompt is {len(prompt_ids)} tokens but the context window is {self.n_ctx}: {fix}."
             )
+        cancel = self._register(request)
+        return self._stream(request, lambda: self.backend.generate(request, prompt_ids, cancel))
+
+    def _generate_remote(self, request: Request) -> Iterator[Event]:
+        # The server tokenizes; its count (exact, or an estimate) decides the overflow check,
+        # and stands in for the prompt tokens when the server reports no usage.
+        count = self.backend.count_prompt(request)  # type: ignore[attr-defined]
+        if count.exact and self.n_ctx is not None and count.tokens >= self.n_ctx:
+            raise ContextOverflowError(
+                f"The prompt is {count.tokens} tokens but the server's context window is {self.n_ctx}: "
+                "shorten it or start a new chat."
+            )
+        cancel = self._register(request)
+        return self._stream(
+            request, lambda: self.backend.generate(request, [], cancel, prompt_tokens=count)  # type: ignore[call-arg]
+        )
+
+    def _register(self, request: Request) -> threading.Event:
         cancel = threading.Event()
         with self._lock:
             if request.id in self._cancels:
                 raise LLMLocalError(f"Request id {request.id} is already running: use a new id.")
             self._cancels[request.id] = cancel
-        return self._stream(request, prompt_ids, cancel)
+        return cancel
 
-    def _stream(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
+    def _stream(self, request: Request, events: Callable[[], Iterator[Event]]) -> Iterator[Event]:
         try:
-            yield from self.backend.generate(request, prompt_ids, cancel)
+            yield from events()
         finally:
             with self._lock:
                 self._cancels.pop(request.id, None)
@@ -153,7 +200,7 @@ class Engine:
 
     def score(self, token_ids: list[int]) -> list[float]:
         """Per-position log-probabilities of ``token_ids`` (len - 1 values)."""
-        if len(token_ids) > self.n_ctx:
+        if self.n_ctx is not None and len(token_ids) > self.n_ctx:
             raise ContextOverflowError(
                 f"Cannot score {len(token_ids)} tokens in a context window of {self.n_ctx}: score shorter windows."
             )
@@ -162,7 +209,7 @@ class Engine:
     def log_probs(self, token_ids: list[int]) -> np.ndarray:
         """(len - 1, vocab) float32 next-token log-distributions along ``token_ids`` (teacher
         forced): what perplexity and KL-divergence evaluation compare between two models."""
-        if len(token_ids) > self.n_ctx:
+        if self.n_ctx is not None and len(token_ids) > self.n_ctx:
             raise ContextOverflowError(
                 f"Cannot score {len(token_ids)} tokens in a context window of {self.n_ctx}: score shorter windows."
             )

@@ -1,4 +1,5 @@
-"""Model names -> local files: built-in starter names and paths to GGUF files."""
+"""Model names -> local files: built-in starter names, paths, and Hugging Face repos in the
+local cache (`org/repo:Q4_K_M`). Resolving never downloads: `llmlocal models pull` does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from .errors import ModelNotFoundError
 from .hf_spec import spec_from_hf
+from .hub import cached_model, parse_hub_name
 from .spec import ModelSpec, spec_from_gguf
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -76,9 +78,10 @@ def resolve(name_or_path: str | os.PathLike[str] | None = None) -> ResolvedModel
     """Resolve a model name or a path to a local GGUF file and read its `ModelSpec`.
 
     Accepted: a built-in starter name (``smollm2-135m``, the default), a path to a ``.gguf``
-    file, or a Hugging Face checkpoint directory (``config.json`` + safetensors). Raises
-    :class:`ModelNotFoundError` / :class:`ModelFormatError` with a message that
-    names the fix.
+    file, a Hugging Face checkpoint directory (``config.json`` + safetensors), or a Hub repo
+    already in the local Hugging Face cache: ``org/repo:Q4_K_M`` (that GGUF), ``org/repo``
+    (its checkpoint, or its only GGUF). Raises :class:`ModelNotFoundError` /
+    :class:`ModelFormatError` with a message that names the fix.
     """
     name = os.fspath(name_or_path) if name_or_path is not None else DEFAULT_MODEL
     if name in STARTER_MODELS:
@@ -99,7 +102,14 @@ def resolve(name_or_path: str | os.PathLike[str] | None = None) -> ResolvedModel
     if path.is_file():
         return ResolvedModel(name=path.name, path=str(path.resolve()), spec=spec_from_gguf(path))
 
+    hub = parse_hub_name(name)
+    if hub is not None:
+        canonical, found = cached_model(hub)
+        spec = spec_from_hf(found) if found.is_dir() else spec_from_gguf(found)
+        return ResolvedModel(name=canonical, path=str(found), spec=spec)
+
     known = ", ".join(STARTER_MODELS)
     raise ModelNotFoundError(
-        f"No model named '{name}': pass a path to a .gguf file or one of the built-in names ({known})."
+        f"No model named '{name}': pass a path to a .gguf file, a Hugging Face repo (org/repo:Q4_K_M) "
+        f"or one of the built-in names ({known})."
     )

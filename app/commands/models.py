@@ -1,0 +1,191 @@
+"""`llmlocal models list|pull|rm|info`: the models on this machine.
+
+Names: the built-in starter (`smollm2-135m`), paths to .gguf files, and Hugging Face repos
+(`org/repo:Q4_K_M` picks that GGUF of the repo; `org/repo` a safetensors checkpoint, or the
+repo's only GGUF). Downloads go into Hugging Face's own cache (HF_HOME, HF_HUB_CACHE; tokens
+from HF_TOKEN or `hf auth login`), resumable. With HF_HUB_OFFLINE=1 nothing is fetched.
+
+Examples:
+
+    llmlocal models list
+    llmlocal models pull bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
+    llmlocal models info bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
+    llmlocal chat --model bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
+    llmlocal models rm bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "models",
+        help="list, download, inspect and remove models",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = p.add_subparsers(dest="models_command", metavar="ACTION")
+    ls = actions.add_parser("list", aliases=["ls"], help="models on this machine: name, size, quant, architecture, context, location")
+    ls.add_argument("--json", action="store_true", help="print a JSON list")
+    pull = actions.add_parser("pull", help="download a Hugging Face model into the local cache")
+    pull.add_argument("name", metavar="NAME", help="org/repo:QUANT (a GGUF) or org/repo (a safetensors checkpoint)")
+    pull.add_argument("--token", default=None, metavar="T", help="Hugging Face token (default: HF_TOKEN or `hf auth login`)")
+    pull.add_argument("--json", action="store_true", help="print the stored model as JSON")
+    rm = actions.add_parser("rm", aliases=["remove"], help="delete a model and free its space")
+    rm.add_argument("name", metavar="NAME", help="a name from `llmlocal models list`")
+    rm.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    info = actions.add_parser("info", help="what a model is (its ModelSpec) and how it would run here")
+    info.add_argument("name", metavar="NAME", help="a name, a path or an org/repo:QUANT in the cache")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run, models_parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = {"ls": "list", "remove": "rm"}.get(args.models_command, args.models_command)
+    if command is None:
+        args.models_parser.print_help()
+        return 2
+    return {"list": _list, "pull": _pull, "rm": _rm, "info": _info}[command](args)
+
+
+# ---- list -------------------------------------------------------------------------------
+def _list(args: argparse.Namespace) -> int:
+    from llmlocal.models.store import list_models
+
+    models = list_models()
+    if args.json:
+        print(json.dumps([_model_dict(m) for m in models], ensure_ascii=False))
+        return 0
+    rows = [("NAME", "SIZE", "QUANT", "ARCH", "CONTEXT", "SOURCE", "WHERE")]
+    for m in models:
+        rows.append((
+            m.name,
+            human_size(m.size_bytes),
+            m.quant or "-",
+            m.arch or "-",
+            f"{m.context_length:,}" if m.context_length else "-",
+            m.source,
+            str(m.path),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return 0
+
+
+def _model_dict(m: Any) -> dict[str, Any]:
+    d = {k: v for k, v in m.__dict__.items()}
+    d["path"] = str(m.path)
+    return d
+
+
+def human_size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---- pull -------------------------------------------------------------------------------
+def _pull(args: argparse.Namespace) -> int:
+    from llmlocal.models.store import pull
+
+    got = pull(args.name, token=args.token)
+    m = got.model
+    if args.json:
+        print(json.dumps({**_model_dict(m), "kind": got.kind, "from_cache": got.from_cache}, ensure_ascii=False))
+        return 0
+    verb = "Already downloaded" if got.from_cache else "Downloaded"
+    print(f"{verb}: {m.name} ({human_size(m.size_bytes)}) in {m.path}.")
+    if got.kind == "checkpoint":
+        print(
+            f"{m.name} is a safetensors checkpoint: make a GGUF with `llmlocal quantize {m.repo_id}` "
+            f"(or run it as is with `--model {m.name} --backend paged`)."
+        )
+        if sys.stdin.isatty() and sys.stdout.isatty() and _ask(f"Run `llmlocal quantize {m.repo_id}` now?"):
+            from llmlocal.app.cli import main
+
+            return main(["quantize", str(m.repo_id)])
+    else:
+        print(f"Chat with it: llmlocal chat --model {m.name}")
+    return 0
+
+
+def _ask(question: str) -> bool:
+    try:
+        return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
+
+
+# ---- rm ---------------------------------------------------------------------------------
+def _rm(args: argparse.Namespace) -> int:
+    from llmlocal.models.errors import LLMLocalError
+    from llmlocal.models.store import plan_removal
+
+    stored, strategy = plan_removal(args.name)
+    size = human_size(strategy.expected_freed_size)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise LLMLocalError(f"Removing {stored.name} frees {size}: pass --yes to remove it without a question.")
+        if not _ask(f"Remove {stored.name} ({size}, {stored.path})?"):
+            print("Nothing removed.")
+            return 1
+    strategy.execute()
+    print(f"Removed {stored.name}: freed {size}.")
+    return 0
+
+
+# ---- info -------------------------------------------------------------------------------
+def _info(args: argparse.Namespace) -> int:
+    from llmlocal.models import resolve
+    from llmlocal.models.store import find
+
+    model = resolve(args.name)
+    stored = find(args.name)
+    summary = model.spec.summary()
+    verdict = planner_verdict(model.spec)
+    if args.json:
+        out = {"name": model.name, **summary}
+        if stored is not None:
+            out.update(source=stored.source, size_bytes=stored.size_bytes, quant=stored.quant)
+        out["plan"] = verdict
+        print(json.dumps(out, ensure_ascii=False, default=str))
+        return 0
+    print(f"{model.name}")
+    if stored is not None:
+        print(f"  {'source':<18}{stored.source}, {human_size(stored.size_bytes)} on disk")
+    for key, value in summary.items():
+        if key == "tensor_types":
+            value = ", ".join(f"{t} {human_size(n)}" for t, n in value.items())
+        elif key in ("params", "weight_bytes"):
+            value = f"{value:,}"
+        print(f"  {key:<18}{value}")
+    print(f"  {'plan':<18}{verdict['verdict']}")
+    for reason in verdict["reasons"]:
+        print(f"  {'':<18}- {reason}")
+    return 0
+
+
+def planner_verdict(spec: Any) -> dict[str, Any]:
+    """What the memory planner chooses for ``spec`` on this machine, and why.
+
+    PLANNER HOOK: the one place `models info` calls `llmlocal.engine.planner`. A model that
+    fits nowhere gives the planner's one-sentence refusal as the verdict.
+    """
+    from llmlocal.engine.hardware import probe
+    from llmlocal.engine.planner import choose
+    from llmlocal.models.errors import LLMLocalError
+
+    if spec.format not in ("gguf", "hf"):
+        return {"verdict": "the server decides: a remote model is not planned here", "reasons": []}
+    try:
+        choice = choose([spec], probe())
+    except LLMLocalError as e:
+        return {"verdict": str(e), "reasons": []}
+    return {"verdict": choice.chosen.describe(), "reasons": list(choice.reasons)}

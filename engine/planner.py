@@ -1,0 +1,484 @@
+"""The memory planner: the best configuration that fits this machine, chosen before loading.
+
+    choice = choose(variants, hardware, Pins(n_ctx=4096))
+    choice.plan      # a Plan for Engine.load: backend, device, gpu layers, context, KV dtype...
+    choice.reasons   # why, in sentences; choice.alternatives: the runners-up
+
+Candidates span backend (llamacpp, paged), placement (every layer on the GPU, as many as
+fit, CPU only), quant variant (the model files the caller found for the name), context
+length (a ladder of powers of two up to the model's maximum; on a CPU, up to the default
+context unless --ctx asks for more: RAM is shared with the rest of the machine), KV dtype
+(f16, q8_0 in llama.cpp), batch slots (paged: KV windows in the pool) and draft on/off.
+Explicit flags pin their dimension. A candidate fits when, on every device, its predicted
+need (`memory_model`) stays under the budget less a safety margin. Among those that fit the
+order is, most important first:
+
+    1. every layer on the fastest device (the GPU when there is one)
+    2. context at least the requested (or default) length
+    3. higher-quality quant (more bits per weight)
+    4. more layers on the GPU (partial offload)
+    5. longer context
+    6. full-precision KV cache
+    7. draft model on
+    8. the backend `auto` would pick for the device (llamacpp on CPU, paged on CUDA)
+    9. more batch slots
+   10. less memory
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from llmlocal.models.errors import LLMLocalError
+
+from .hardware import Hardware
+from .memory_model import DeviceMemory, estimate, gib
+from .plan import DEFAULT_MAX_CTX, Plan
+
+if TYPE_CHECKING:
+    from llmlocal.models import ModelSpec
+
+PAGED_ARCHS = frozenset({"llama", "mistral", "qwen2"})  # what the paged engine's model code runs
+BACKENDS = ("llamacpp", "paged")  # what the planner sizes; "sparse" joins when its backend is installed
+MARGIN_FRACTION = 0.05  # of each device's budget, kept free for prediction error and growth
+MARGIN_MIN = 128 << 20
+CTX_FLOOR = 512
+BLOCK_SIZE = 16
+
+
+class NothingFitsError(LLMLocalError):
+    """No configuration of the model fits the memory budget."""
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Dimensions the user fixed with flags; None leaves the planner free."""
+
+    backend: str | None = None  # "llamacpp" | "paged"
+    device: str | None = None  # "cpu" | "cuda"
+    n_ctx: int | None = None
+    gpu_layers: int | None = None
+    kv_dtype: str | None = None
+    draft: bool | None = None  # True: use the draft given to `choose`; False: never
+    kv_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    spec: ModelSpec  # the quant variant
+    devices: tuple[DeviceMemory, ...]
+    budgets: dict[str, int]  # device -> budget (before the margin)
+    key: tuple = field(compare=False, default=())
+
+    @property
+    def fits(self) -> bool:
+        return all(d.need <= usable_budget(self.budgets[d.device]) for d in self.devices)
+
+    @property
+    def shortfall(self) -> int:
+        """Bytes over the usable budget on the tightest device (<= 0 when it fits)."""
+        return max(d.need - usable_budget(self.budgets[d.device]) for d in self.devices)
+
+    @property
+    def total(self) -> int:
+        return sum(d.need for d in self.devices)
+
+    @property
+    def quant(self) -> str:
+        return quant_name(self.spec)
+
+    @property
+    def placement(self) -> str:
+        p = self.plan
+        if p.backend == "llamacpp" and p.gpu_layers > 0:
+            return "all layers on the GPU" if p.gpu_layers > self.spec.n_layers else f"{p.gpu_layers} of {self.spec.n_layers} layers on the GPU"
+        return "on the GPU" if p.device == "cuda" else "on the CPU"
+
+    def describe(self) -> str:
+        p = self.plan
+        kv = p.kv_dtype if p.backend == "llamacpp" else ("bf16" if p.device == "cuda" else "fp32")
+        slots = p.kv_blocks // -(-p.n_ctx // p.block_size) if p.backend == "paged" and p.kv_blocks else 0
+        extra = f", {slots} slot{'s' if slots > 1 else ''}" if slots else ""
+        draft = ", draft" if p.draft else ""
+        return f"{p.backend} {self.placement}, {self.quant}, context {p.n_ctx}, KV {kv}{extra}{draft} ({gib(self.total)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        devices = {d.device: d.to_dict() for d in self.devices}
+        budgets = {d.device: self.budgets[d.device] for d in self.devices}
+        one = len(self.devices) == 1
+        return {
+            "backend": p.backend,
+            "device": p.device,
+            "gpu_layers": p.gpu_layers,
+            "n_ctx": p.n_ctx,
+            "kv_dtype": p.kv_dtype,
+            "quant": self.quant,
+            "draft": p.draft,
+            "kv_blocks": p.kv_blocks,
+            "model_path": self.spec.path,
+            "predicted_bytes": next(iter(devices.values())) if one else devices,
+            "budget_bytes": next(iter(budgets.values())) if one else budgets,
+        }
+
+
+@dataclass(frozen=True)
+class Choice:
+    chosen: Candidate
+    alternatives: tuple[Candidate, ...]  # the best few others that fit, best first
+    reasons: tuple[str, ...]
+    hardware: Hardware
+
+    @property
+    def plan(self) -> Plan:
+        """The chosen Plan, its memory budget set to the main device's."""
+        c = self.chosen
+        return c.plan.replace(memory_budget=c.budgets["cuda:0" if c.plan.device == "cuda" else "cpu"])
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.chosen.to_dict()
+        out["reasons"] = list(self.reasons)
+        out["alternatives"] = [a.to_dict() for a in self.alternatives]
+        return out
+
+
+def usable_budget(budget: int) -> int:
+    """The budget less the safety margin: what a plan may fill."""
+    return budget - max(int(budget * MARGIN_FRACTION), min(MARGIN_MIN, budget // 4))
+
+
+def quant_name(spec: ModelSpec) -> str:
+    """The GGUF file type (Q4_K_M...), or a checkpoint's dominant float type."""
+    if spec.file_type:
+        return str(spec.file_type)
+    by_type: dict[int, int] = {}
+    for t in spec.tensors:
+        by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.n_bytes
+    main = max(by_type, key=by_type.__getitem__) if by_type else -1
+    return {0: "F32", 1: "F16", 30: "BF16"}.get(main, "unknown")
+
+
+def bits_per_weight(spec: ModelSpec) -> float:
+    return 8.0 * spec.weight_bytes / max(spec.n_params, 1)
+
+
+def default_ctx(spec: ModelSpec) -> int:
+    return min(spec.context_length, DEFAULT_MAX_CTX)
+
+
+def _ctx_ladder(spec: ModelSpec, cap: int) -> list[int]:
+    top = min(spec.context_length, cap)
+    ladder = [n for n in (CTX_FLOOR << k for k in range(12)) if n < top]
+    return ladder + [top]
+
+
+def _budgets(hw: Hardware) -> dict[str, int]:
+    out = {"cpu": hw.available_ram}
+    if hw.gpus:
+        out["cuda:0"] = hw.gpus[0].free_bytes  # one GPU: llmlocal does not split across GPUs yet
+    return out
+
+
+# ---- enumeration --------------------------------------------------------------------------
+def _placements(spec: ModelSpec, hw: Hardware, pins: Pins, backends: Sequence[str]) -> list[tuple[str, str]]:
+    """(backend, device) pairs the pins and the machine allow for this model file."""
+    out = []
+    pairs = (("llamacpp", "cuda"), ("llamacpp", "cpu"), ("paged", "cuda"), ("paged", "cpu"), ("sparse", "cpu"))
+    for backend, device in pairs:
+        if backend not in backends or (pins.backend and pins.backend != backend):
+            continue
+        if backend == "sparse" and (spec.format != "gguf" or getattr(spec, "sparsity", None) is None):
+            continue  # the sparse CPU path needs calibrated thresholds in the file
+        if pins.device and pins.device != device:
+            continue
+        if device == "cuda" and not hw.gpus:
+            continue
+        if backend == "llamacpp" and (spec.format != "gguf" or pins.draft or (device == "cuda" and not hw.llamacpp_gpu)):
+            continue  # llama.cpp: GGUF only, no draft model here, a GPU only in a GPU build
+        if backend == "paged" and spec.architecture not in PAGED_ARCHS:
+            continue
+        if pins.gpu_layers is not None and (pins.gpu_layers > 0) != (device == "cuda"):
+            continue  # --gpu-layers N > 0 means the GPU; 0 means the CPU
+        if pins.gpu_layers and backend != "llamacpp":
+            continue  # only llama.cpp splits layers between devices
+        out.append((backend, device))
+    return out
+
+
+def _candidates(
+    variants: Sequence[ModelSpec], hw: Hardware, pins: Pins, base: Plan, draft: ModelSpec | None, backends: Sequence[str] = BACKENDS
+) -> list[Candidate]:
+    budgets = _budgets(hw)
+    out: list[Candidate] = []
+    for spec in variants:
+        wanted = pins.n_ctx or default_ctx(spec)
+        for backend, device in _placements(spec, hw, pins, backends):
+            # RAM is shared with everything else: on a CPU, no context beyond the default unless asked
+            cap = spec.context_length if device == "cuda" else max(DEFAULT_MAX_CTX, wanted)
+            ctxs = [pins.n_ctx] if pins.n_ctx else _ctx_ladder(spec, cap)
+            kvs = [pins.kv_dtype] if pins.kv_dtype else (["f16", "q8_0"] if backend == "llamacpp" else ["auto"])
+            can_draft = backend == "paged" and (draft is not None or base.draft is not None)
+            drafts = [False] if not can_draft or pins.draft is False else ([True] if pins.draft else [True, False])
+            slots = [1] if backend != "paged" else ([16, 4, 1] if device == "cuda" else [4, 1])
+            for n_ctx, kv, use_draft, n_slots in itertools.product(ctxs, kvs, drafts, slots):
+                plan = base.replace(
+                    model=base.model if len(variants) == 1 else spec.path,
+                    backend=backend,
+                    device=device,
+                    n_ctx=n_ctx,
+                    kv_dtype=kv,
+                    gpu_layers=0,
+                    draft=(base.draft or getattr(draft, "path", None)) if use_draft else None,
+                    kv_blocks=(pins.kv_blocks or n_slots * -(-n_ctx // BLOCK_SIZE)) if backend != "llamacpp" else None,
+                    block_size=BLOCK_SIZE if backend != "llamacpp" else base.block_size,
+                )
+                if backend == "llamacpp" and device == "cuda":
+                    cand = _offload(spec, plan, hw, budgets, pins)
+                    if cand is not None:
+                        out.append(cand)
+                else:
+                    out.append(_make(spec, plan, hw, budgets, draft if use_draft else None))
+    return out
+
+
+def _make(spec: ModelSpec, plan: Plan, hw: Hardware, budgets: dict[str, int], draft: ModelSpec | None = None) -> Candidate:
+    devices = tuple(estimate(spec, plan, hw.simd, draft))
+    return Candidate(plan, spec, devices, budgets)
+
+
+def _offload(spec: ModelSpec, plan: Plan, hw: Hardware, budgets: dict[str, int], pins: Pins) -> Candidate | None:
+    """llama.cpp on a GPU: every layer if it fits, else the most layers that do (the GPU need
+    grows with the layer count, the CPU need shrinks)."""
+    top = spec.n_layers + 1  # the repeating layers and the output layer
+    # with layers on the CPU, part of the KV cache sits in RAM: no context beyond the default
+    ram_ctx_ok = (plan.n_ctx or 0) <= max(DEFAULT_MAX_CTX, pins.n_ctx or 0)
+    if pins.gpu_layers is not None:
+        layers = min(pins.gpu_layers, top)
+        return _make(spec, plan.replace(gpu_layers=layers), hw, budgets) if layers == top or ram_ctx_ok else None
+    full = _make(spec, plan.replace(gpu_layers=top), hw, budgets)
+    if full.fits or not ram_ctx_ok:
+        return full if full.fits else None
+
+    def gpu_fits(g: int) -> bool:
+        c = _make(spec, plan.replace(gpu_layers=g), hw, budgets)
+        return all(d.need <= usable_budget(budgets[d.device]) for d in c.devices if d.device != "cpu")
+
+    lo, hi = 0, spec.n_layers  # largest g with the GPU side fitting: binary search
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if gpu_fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return _make(spec, plan.replace(gpu_layers=lo), hw, budgets) if lo > 0 else None
+
+
+# ---- ranking ------------------------------------------------------------------------------
+def _key(c: Candidate, has_gpu: bool, wanted: int) -> tuple:
+    p = c.plan
+    all_fastest = (p.device == "cuda" and (p.backend == "paged" or p.gpu_layers > c.spec.n_layers)) if has_gpu else True
+    gpu_fraction = (min(p.gpu_layers, c.spec.n_layers) / c.spec.n_layers) if p.backend == "llamacpp" else (1.0 if p.device == "cuda" else 0.0)
+    slots = (p.kv_blocks or 0) // -(-(p.n_ctx or 1) // p.block_size) if p.backend == "paged" else 1
+    cpu_default = "sparse" if getattr(c.spec, "sparsity", None) is not None else "llamacpp"
+    preferred_backend = p.backend == ("paged" if p.device == "cuda" else cpu_default)
+    return (
+        all_fastest,
+        (p.n_ctx or 0) >= wanted,
+        round(bits_per_weight(c.spec), 2),
+        gpu_fraction,
+        p.n_ctx or 0,
+        p.kv_dtype in ("auto", "f16", "bf16", "f32"),
+        p.draft is not None,
+        preferred_backend,
+        slots,
+        -c.total,
+    )
+
+
+_KEY_WORDS = (
+    "not every layer on the fastest device",
+    "a context shorter than the default",
+    "a lower-quality quant",
+    "fewer layers on the GPU",
+    "a shorter context",
+    "a quantized KV cache",
+    "no draft model",
+    "the backend not preferred for this device",
+    "fewer batch slots",
+    "more memory",
+)
+
+
+def choose(
+    variants: Sequence[ModelSpec],
+    hardware: Hardware,
+    pins: Pins | None = None,
+    base: Plan | None = None,
+    draft: ModelSpec | None = None,
+    backends: Sequence[str] = BACKENDS,
+) -> Choice:
+    """The best plan for the model (its quant ``variants``: ModelSpecs) on ``hardware``.
+
+    ``base`` supplies the fields the planner does not choose (threads, sampling-free engine
+    settings); ``draft`` is the draft model's ModelSpec when speculative decoding is
+    possible. Raises `NothingFitsError` (one sentence with the numbers and the nearest fix).
+    """
+    if not variants:
+        raise LLMLocalError("No model file to plan for: pass a model name or path.")
+    pins = pins or Pins()
+    base = base or Plan()
+    has_gpu = bool(hardware.gpus) and pins.device != "cpu"
+    cands = _candidates(variants, hardware, pins, base, draft, backends)
+    if not cands:
+        raise LLMLocalError(_no_candidate(variants, hardware, pins))
+    wanted = {id(s): pins.n_ctx or default_ctx(s) for s in variants}
+    ranked = sorted(
+        (Candidate(c.plan, c.spec, c.devices, c.budgets, _key(c, has_gpu, wanted[id(c.spec)])) for c in cands),
+        key=lambda c: c.key,
+        reverse=True,
+    )
+    fitting = [c for c in ranked if c.fits]
+    if not fitting:
+        raise NothingFitsError(_nothing_fits(variants, hardware, pins, base, draft, ranked, backends))
+    best = fitting[0]
+    others = _distinct(fitting[1:], best)
+    return Choice(best, tuple(others[:3]), tuple(_reasons(best, others, ranked, hardware, pins)), hardware)
+
+
+def _distinct(cands: list[Candidate], best: Candidate) -> list[Candidate]:
+    """Alternatives that differ from the choice in something a user would notice."""
+    seen = {_visible(best)}
+    out = []
+    for c in cands:
+        v = _visible(c)
+        if v not in seen:
+            seen.add(v)
+            out.append(c)
+    return out
+
+
+def _visible(c: Candidate) -> tuple:
+    p = c.plan
+    return (p.backend, p.device, p.gpu_layers, c.spec.path, p.n_ctx, p.kv_dtype, p.draft is not None)
+
+
+# ---- explanations -------------------------------------------------------------------------
+def _reasons(best: Candidate, others: list[Candidate], ranked: list[Candidate], hw: Hardware, pins: Pins) -> list[str]:
+    p = best.plan
+    out = []
+    for d in best.devices:
+        budget = best.budgets[d.device]
+        out.append(
+            f"{d.device}: needs {gib(d.need)} of {gib(budget)} available "
+            f"({gib(budget - usable_budget(budget))} kept free as a margin)"
+        )
+    spec = best.spec
+    if p.backend == "llamacpp" and p.gpu_layers and p.gpu_layers <= spec.n_layers:
+        if pins.gpu_layers is not None:
+            out.append(f"{p.gpu_layers} of {spec.n_layers} layers on the GPU: as asked with --gpu-layers")
+        else:
+            out.append(f"only {p.gpu_layers} of {spec.n_layers} layers fit on the GPU; the rest run on the CPU")
+    elif best.key and best.key[0] and hw.gpus and p.device == "cuda":
+        out.append("every layer fits on the GPU")
+    elif not hw.gpus:
+        out.append("no GPU found: the CPU runs every layer")
+    default = default_ctx(spec)
+    if pins.n_ctx:
+        out.append(f"context {p.n_ctx}: as asked with --ctx")
+    elif p.n_ctx == spec.context_length:
+        out.append(f"context {p.n_ctx}: the model's maximum")
+    elif p.n_ctx > default:
+        out.append(f"context {p.n_ctx}: the longest that fits (the model takes up to {spec.context_length})")
+    elif p.n_ctx == default:
+        cpu_cap = p.device == "cpu" or (p.backend == "llamacpp" and p.gpu_layers <= spec.n_layers)
+        more = f" (the model takes up to {spec.context_length}: pass --ctx for more)" if cpu_cap else ""
+        out.append(f"context {p.n_ctx}: the default{more}")
+    else:
+        out.append(f"context {p.n_ctx}: the longest that fits (the default {default} does not)")
+    if p.backend == "llamacpp" and p.kv_dtype == "q8_0":
+        out.append("KV cache in q8_0 (half of f16): f16 would not fit this context")
+    if len({c.spec.path for c in ranked}) > 1:
+        out.append(f"quant {best.quant} ({bits_per_weight(spec):.1f} bits/weight): the highest quality that fits")
+    if others:
+        ru = others[0]
+        why = _KEY_WORDS[_first_difference(best.key, ru.key)]
+        out.append(f"runner-up: {ru.describe()}; it lost on {why}")
+    return out
+
+
+def _first_difference(a: tuple, b: tuple) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return len(a) - 1
+
+
+def _no_candidate(variants: Sequence[ModelSpec], hw: Hardware, pins: Pins) -> str:
+    spec = variants[0]
+    if pins.backend == "paged" and spec.architecture not in PAGED_ARCHS:
+        return f"The paged backend does not run '{spec.architecture}' models: use --backend llamacpp."
+    if pins.backend == "llamacpp" and spec.format != "gguf":
+        return f"llama.cpp runs GGUF files and {spec.path} is not one: use --backend paged or convert it with `llmlocal quantize`."
+    if pins.device == "cuda" and not hw.gpus:
+        return "--device cuda was asked for but no CUDA GPU was found: use --device cpu."
+    return "No backend can run this model here: check --backend and --device."
+
+
+def _nothing_fits(
+    variants: Sequence[ModelSpec], hw: Hardware, pins: Pins, base: Plan, draft: ModelSpec | None, ranked: list[Candidate],
+    backends: Sequence[str],
+) -> str:
+    """One sentence: what the closest configuration needs, what is free, and the nearest fix."""
+    closest = min(ranked, key=lambda c: c.shortfall)
+    worst = max(closest.devices, key=lambda d: d.need - usable_budget(closest.budgets[d.device]))
+    budget = closest.budgets[worst.device]
+    needs = (
+        f"needs {gib(worst.need)} on {worst.device} at context {closest.plan.n_ctx}, and {gib(budget)} is free "
+        f"({gib(budget - usable_budget(budget))} of it kept as a margin)"
+    )
+    # the nearest fix: drop one pin at a time and see what fits
+    for name, label in (("n_ctx", "--ctx"), ("gpu_layers", "--gpu-layers"), ("backend", "--backend"), ("draft", "--draft"), ("kv_blocks", "--kv-blocks"), ("device", "--device")):
+        if getattr(pins, name) is None:
+            continue
+        loose = Pins(**{**pins.__dict__, name: None})
+        fit = [c for c in _candidates(variants, hw, loose, base, draft, backends) if c.fits]
+        if fit:
+            best = max(fit, key=lambda c: _key(c, bool(hw.gpus), pins.n_ctx or default_ctx(c.spec)))
+            value = {"n_ctx": best.plan.n_ctx, "gpu_layers": best.plan.gpu_layers, "backend": best.plan.backend,
+                     "draft": "off", "kv_blocks": best.plan.kv_blocks, "device": best.plan.device}[name]
+            return f"The model {needs}: use {label} {value}."
+    smallest = min(variants, key=lambda s: s.weight_bytes)
+    fix = (
+        "use a smaller quant such as q4_k_m"
+        if bits_per_weight(smallest) > 5.5
+        else f"use a smaller model, or a smaller quant than {quant_name(smallest)} (q3_k_m, q2_k)"
+    )
+    return f"The model {needs}: {fix}, or pass --memory-budget if more memory is really free."
+
+def plan_model(
+    model: str | None,
+    pins: Pins | None = None,
+    base: Plan | None = None,
+    hardware: Hardware | None = None,
+    memory_budget: str | None = None,
+) -> Choice:
+    """Resolve ``model`` (a name or path: one file, one variant), probe this machine (or use
+    ``hardware``) and choose. The draft named by ``base.draft`` (a model, not "ngram") is
+    read too, so its weights and KV cache are counted."""
+    from llmlocal.models import resolve
+
+    from .hardware import probe
+
+    base = base or Plan(model=model)
+    spec = resolve(model).spec
+    draft = resolve(base.draft).spec if base.draft and base.draft != "ngram" else None
+    hw = hardware or probe(memory_budget)
+    backends = BACKENDS
+    if getattr(spec, "sparsity", None) is not None and importlib.util.find_spec("llmlocal.engine.backends.sparse") is not None:
+        backends = (*BACKENDS, "sparse")
+    return choose([spec], hw, pins, base, draft, backends)
