@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 _STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
-_GGML_KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml type ids for llama.cpp's type_k / type_v
 
 
 @dataclass(frozen=True)
@@ -114,39 +113,6 @@ def _file_rss(path: str) -> int:
     return total
 
 
-def _load(plan: Any) -> Any:
-    """`Engine.load`; for a q8_0 KV cache, which the llamacpp backend does not pass to llama.cpp
-    yet, the `Llama` is built with the backend's own arguments plus ``type_k``/``type_v`` and
-    flash attention (a quantized V cache needs it) and wrapped in the real backend."""
-    from llmlocal.engine import Engine
-
-    if plan.backend != "llamacpp" or plan.kv_dtype in ("auto", "f16"):
-        return Engine.load(plan)
-    import llama_cpp
-    from llmlocal.engine.backends.llamacpp import LlamaCppBackend
-    from llmlocal.engine.hardware import physical_cores
-    from llmlocal.models import resolve
-
-    from .memory_model import llamacpp_flash_attn
-
-    model = resolve(plan.model)
-    threads = plan.threads or physical_cores()
-    llm = llama_cpp.Llama(
-        model_path=model.path,
-        n_ctx=plan.n_ctx,
-        n_batch=min(plan.n_batch, plan.n_ctx),
-        n_ubatch=min(plan.n_batch, plan.n_ctx),
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_gpu_layers=0,
-        type_k=_GGML_KV_TYPES[plan.kv_dtype],
-        type_v=_GGML_KV_TYPES[plan.kv_dtype],
-        flash_attn=llamacpp_flash_attn(plan.kv_dtype),
-        verbose=False,
-    )
-    return Engine(LlamaCppBackend(llm, model, plan.n_ctx, "cpu"), model, plan)
-
-
 def _child(config: CheckConfig) -> dict[str, Any]:
     """Runs in the subprocess: load, fill the context, generate; report the RSS deltas."""
     import llama_cpp  # noqa: F401  (the baseline holds the libraries, not the model)
@@ -154,13 +120,13 @@ def _child(config: CheckConfig) -> dict[str, Any]:
     if config.backend == "paged":
         import torch  # noqa: F401
         from llmlocal.engine.backends import paged  # noqa: F401
-    from llmlocal.engine import DoneEvent, Request, SamplingParams
+    from llmlocal.engine import DoneEvent, Engine, Request, SamplingParams
     from llmlocal.models import resolve
 
     path = resolve(config.model).path
     base = _status()
     _reset_peak()
-    engine = _load(config.to_plan())
+    engine = Engine.load(config.to_plan())
     loaded = _status()
     _reset_peak()
     # " hello" is one token in BPE vocabularies: n repeats are about n tokens; trim to fit.

@@ -15,13 +15,61 @@ from typing import Any, Iterator
 import numpy as np
 
 from llmlocal.models import ResolvedModel
-from llmlocal.models.errors import ModelFormatError
+from llmlocal.models.errors import LLMLocalError, ModelFormatError
 
 from ..detokenize import TextStream
 from ..hardware import physical_cores
+from ..memory_model import llamacpp_flash_attn
 from ..plan import Plan
 from ..stats import StatsRecorder
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent
+
+
+_params_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def llama_model_params(**fields: Any) -> Iterator[None]:
+    """Set model parameters that `llama_cpp.Llama` has no argument for, on the defaults it
+    starts from while it loads."""
+    import llama_cpp.llama_cpp as c
+
+    if not fields:
+        yield
+        return
+    with _params_lock:
+        default = c.llama_model_default_params
+
+        def params() -> Any:
+            p = default()
+            for name, value in fields.items():
+                setattr(p, name, value)
+            return p
+
+        c.llama_model_default_params = params
+        try:
+            yield
+        finally:
+            c.llama_model_default_params = default
+
+
+def cpu_model_params() -> dict[str, Any]:
+    """Model parameters that keep llama.cpp from crashing on this CPU.
+
+    On CPUs with AMX, llama.cpp's AMX matmul (an "extra buffer type") segfaults on batched
+    prompt evaluation of 4-bit weights (seen with llama-cpp-python 0.3.36 on a Sapphire
+    Rapids host); without extra buffer types it uses its ordinary CPU kernels, which also
+    forgoes its weight repacking."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return {}
+    return {"use_extra_bufts": False} if " amx_tile" in flags else {}
+
+
+# KV cache element types llama.cpp is given (ggml type ids); the memory planner counts them.
+GGML_KV_TYPES = {"f16": 1, "q8_0": 8}
 
 
 class LlamaCppBackend:
@@ -46,17 +94,24 @@ class LlamaCppBackend:
         n_ctx = plan.n_ctx or model.spec.context_length
         threads = plan.threads or physical_cores()
         gpu_layers = plan.gpu_layers if plan.device != "cpu" else 0
+        kv = "f16" if plan.kv_dtype == "auto" else plan.kv_dtype
+        if kv not in GGML_KV_TYPES:
+            raise LLMLocalError(f"The llamacpp backend keeps its KV cache in f16 or q8_0, not {kv}: pass --kv-dtype f16 or q8_0.")
         try:
-            llm = llama_cpp.Llama(
-                model_path=model.path,
-                n_ctx=n_ctx,
-                n_batch=min(plan.n_batch, n_ctx),
-                n_ubatch=min(plan.n_batch, n_ctx),
-                n_threads=threads,
-                n_threads_batch=threads,
-                n_gpu_layers=gpu_layers,
-                verbose=False,
-            )
+            with llama_model_params(**cpu_model_params()):
+                llm = llama_cpp.Llama(
+                    model_path=model.path,
+                    n_ctx=n_ctx,
+                    n_batch=min(plan.n_batch, n_ctx),
+                    n_ubatch=min(plan.n_batch, n_ctx),
+                    n_threads=threads,
+                    n_threads_batch=threads,
+                    n_gpu_layers=gpu_layers,
+                    type_k=GGML_KV_TYPES[kv],
+                    type_v=GGML_KV_TYPES[kv],
+                    flash_attn=llamacpp_flash_attn(kv),
+                    verbose=False,
+                )
         except (ValueError, RuntimeError) as e:
             raise ModelFormatError(
                 f"llama.cpp could not load {model.path} (architecture '{model.spec.architecture}'): "

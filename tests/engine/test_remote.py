@@ -44,10 +44,19 @@ def server(starter_path: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     (a name no local model has), an API key."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("llama-server") / "server.log"
-    cmd = [
-        sys.executable, "-m", "llama_cpp.server", "--model", starter_path, "--host", "127.0.0.1",
+    args = [
+        "--model", starter_path, "--host", "127.0.0.1",
         "--port", str(port), "--n_ctx", "1024", "--model_alias", "starter", "--api_key", KEY,
     ]
+    # the server loads its model with the CPU workarounds our llamacpp backend applies (AMX)
+    launcher = (
+        "import runpy, sys\n"
+        "from llmlocal.engine.backends.llamacpp import cpu_model_params, llama_model_params\n"
+        "sys.argv = ['llama_cpp.server', *sys.argv[1:]]\n"
+        "with llama_model_params(**cpu_model_params()):\n"
+        "    runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)\n"
+    )
+    cmd = [sys.executable, "-c", launcher, *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
