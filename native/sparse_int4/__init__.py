@@ -1,1 +1,42 @@
-"""INT4 GEMV over a column-major layout that skips the weights of zero activations (CPU, C)."""
+"""INT4 GEMV over a column-major layout that skips the weights of zero activations (CPU, C).
+
+    from llmlocal.native.sparse_int4 import SparseInt4Linear
+    lin = SparseInt4Linear.from_codes(codes, scale, zero, group_size=32)
+    y = lin(x, threshold=t)     # columns j with |x_j| <= t are not read; lin.sparsity says how many
+
+The set: `layout.py` (the packed byte layout, built in numpy), `csrc/` (the C kernels: sparse,
+dense and 2-8-row batch GEMV, row-parallel on a persistent thread pool, AVX-512 / AVX2 /
+portable variants picked at load time), `reference.py` (numpy reference and error bound),
+`bench.py` (GB/s; `python -m llmlocal.native.sparse_int4.bench`). Settings: `runtime.py`.
+"""
+
+from __future__ import annotations
+
+from .layout import PackedInt4, pack_int4
+from .linear import SparseInt4Linear
+from .runtime import (
+    KernelsUnavailableError,
+    available_isas,
+    best_isa,
+    isa,
+    kernels,
+    num_threads,
+    set_isa,
+    set_num_threads,
+    set_spin_us,
+)
+
+__all__ = [
+    "KernelsUnavailableError",
+    "PackedInt4",
+    "SparseInt4Linear",
+    "available_isas",
+    "best_isa",
+    "isa",
+    "kernels",
+    "num_threads",
+    "pack_int4",
+    "set_isa",
+    "set_num_threads",
+    "set_spin_us",
+]

@@ -1,0 +1,52 @@
+/* Portable variant: plain C, compiled for the architecture's baseline (any x86-64, ARM, ...).
+ * A "vector" is one float; the compiler may still vectorise with the baseline instructions. */
+#include <string.h>
+
+#include "sparse_int4.h"
+
+typedef float vf;
+#define VW 1
+#define CV 32
+#define B1_NC 1
+#define PASS_MAX 8
+#define MAX_ACC (8 * 32)
+
+/* IEEE binary16 -> binary32, exact for every input (subnormals, inf, nan included). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exp = 113u;
+        while (!(man & 0x400u)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#define V_ZERO() 0.0f
+#define V_SET1(f) (f)
+#define V_FMA(a, b, c) ((a) * (b) + (c))
+#define V_LOAD(p) (*(p))
+#define V_STORE(p, v) (*(p) = (v))
+#define V_LOAD_F16(p) half_to_float(*(p))
+#define UNPACK(p, q)                                   \
+    do {                                               \
+        for (int b_ = 0; b_ < 16; b_++) {              \
+            (q)[b_] = (float)((p)[b_] & 15);           \
+            (q)[16 + b_] = (float)((p)[b_] >> 4);      \
+        }                                              \
+    } while (0)
+#define KERNEL_NAME si4_kernel_scalar
+
+#include "kernel_body.h"
+
+#define PREPARE_NAME si4_prepare_scalar
+#include "prep_body.h"

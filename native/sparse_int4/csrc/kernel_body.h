@@ -1,0 +1,181 @@
+/* The GEMV kernel, written once over a small vector vocabulary that each isa_*.c defines
+ * before including this file:
+ *
+ *   vf                      a vector of VW floats
+ *   CV                      vectors per 16-byte code chunk (32 rows): 32 / VW
+ *   V_ZERO() V_SET1(f) V_FMA(a, b, c) = a * b + c   V_LOAD(p) V_STORE(p, v) (unaligned)
+ *   V_LOAD_F16(p)           VW fp16 values at p -> vf
+ *   UNPACK(p, q)            16 code bytes at p -> q[0 .. CV-1] = codes of rows 0..31 as floats,
+ *                           in natural row order (q[v] holds rows v*VW .. v*VW + VW - 1)
+ *   B1_NC                   chunks per row block when batch == 1 (accumulators: B1_NC * CV)
+ *   PASS_MAX                batch rows per pass over a 32-row block (accumulators: PASS_MAX * CV)
+ *   MAX_ACC                 max(B1_NC, PASS_MAX) * CV
+ *   KERNEL_NAME             the exported symbol
+ *   LOOKUP_TABLE(x), LOOKUP_ACC(p, tbl, acc)   optional, for one row of x: a vector of the 16
+ *                           products q * x for q = 0..15, and acc[v] += tbl[code] for the
+ *                           chunk at p (a table lookup in place of int->float convert + FMA)
+ *
+ * Invariant of the loops: for every group g with kept columns, for every row block, the
+ * accumulators hold acc_b[n] = sum_{kept j in g} q_nj * xv_bj, then
+ *   y_b[n] += m_ng * xs_bg + d_ng * acc_b[n].
+ * Groups are the outer loop so that at most `group` columns are streamed at a time (each
+ * column's run of rows is contiguous: a skipped column is a skipped run of bytes). The
+ * hardware prefetcher does not follow 16-32 short interleaved runs well: each column's run is
+ * prefetched `si4_prefetch_ahead` bytes ahead, continuing into the next group's runs near the
+ * end (2x the single-thread bandwidth from DRAM on the Llama-3.2-1B shapes).
+ */
+#include "sparse_int4.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* What a row block prefetches while it reads column k of its group (k = 0, 1, ...): byte `off`
+ * of the run of column cols[first + k], for k < count. */
+typedef struct {
+    int first, count;
+    size_t off;
+} prefetch_t;
+
+/* One row block (NC chunks of 32 rows starting at `row`) of group g, for batch rows b0 .. b0+BB-1. */
+ALWAYS_INLINE void block(const si4_matrix *m, const si4_acts *a, int g, int row, float *ybuf,
+                         const int BB, const int b0, const int NC, const prefetch_t pf) {
+    const int NV = NC * CV;
+    const int B = a->batch;
+    vf acc[MAX_ACC];
+#pragma GCC unroll 16
+    for (int v = 0; v < BB * NV; v++) acc[v] = V_ZERO();
+
+    const uint8_t *base = m->codes + row / 2;
+    const size_t stride = m->colstride;
+    const int i0 = a->goff[g], i1 = a->goff[g + 1];
+    for (int i = i0; i < i1; i++) {
+        const uint8_t *p = base + (size_t)a->cols[i] * stride;
+        if (i - i0 < pf.count) __builtin_prefetch(m->codes + (size_t)a->cols[pf.first + i - i0] * stride + pf.off, 0, 3);
+        const float *x = a->xv + (size_t)b0 * a->xv_stride + i; /* row b: x[b * xv_stride] */
+#ifdef LOOKUP_ACC
+        if (BB == 1) { /* the 16 products q * x_j in a table, looked up by each row's code */
+            const vf tbl = LOOKUP_TABLE(x[0]);
+#pragma GCC unroll 4
+            for (int c = 0; c < NC; c++) LOOKUP_ACC(p + 16 * c, tbl, (acc + c * CV));
+            continue;
+        }
+#endif
+        vf q[MAX_ACC];
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) UNPACK(p + 16 * c, (q + c * CV));
+#pragma GCC unroll 8
+        for (int b = 0; b < BB; b++) {
+            const vf xb = V_SET1(x[(size_t)b * a->xv_stride]);
+#pragma GCC unroll 16
+            for (int v = 0; v < NV; v++) acc[b * NV + v] = V_FMA(q[v], xb, acc[b * NV + v]);
+        }
+    }
+
+    const int npad = m->npad;
+#pragma GCC unroll 8
+    for (int b = 0; b < BB; b++) {
+        const vf xs = V_SET1(a->xs[(size_t)g * B + b0 + b]);
+        float *y = ybuf + (size_t)(b0 + b) * npad + row;
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v++) {
+            vf d, mn;
+            if (m->sz_f16) {
+                const uint16_t *dp = (const uint16_t *)m->sz + (size_t)g * 2 * npad + row + v * VW;
+                d = V_LOAD_F16(dp);
+                mn = V_LOAD_F16(dp + npad);
+            } else {
+                const float *sp = (const float *)m->sz + (size_t)g * 2 * npad + row + v * VW;
+                d = V_LOAD(sp);
+                mn = V_FMA(V_SET1(-8.0f), d, V_LOAD(sp + npad)); /* m = z - 8 s */
+            }
+            vf yv = V_LOAD(y + v * VW);
+            yv = V_FMA(mn, xs, yv);
+            yv = V_FMA(d, acc[b * NV + v], yv);
+            V_STORE(y + v * VW, yv);
+        }
+    }
+}
+
+/* The software prefetch of a row block at `row`: each column's run pf_rows rows further down,
+ * or, near the end of the runs, the start of the next group's runs, so that the stream of
+ * lines in flight continues across the group switch. */
+ALWAYS_INLINE prefetch_t plan_prefetch(const si4_acts *a, int g, int next, int g1, int row, int row0, int row1,
+                                       int pf_rows) {
+    prefetch_t pf = {0, 0, 0};
+    if (!pf_rows) return pf;
+    if (row + pf_rows < row1) {
+        pf.first = a->goff[g];
+        pf.count = a->goff[g + 1] - a->goff[g];
+        pf.off = (size_t)(row + pf_rows) / 2;
+    } else if (next < g1 && row0 + (row + pf_rows - row1) < row1) {
+        pf.first = a->goff[next];
+        pf.count = a->goff[next + 1] - a->goff[next];
+        pf.off = (size_t)(row0 + (row + pf_rows - row1)) / 2;
+    }
+    return pf;
+}
+
+void KERNEL_NAME(const si4_matrix *m, const si4_acts *a, int row0, int row1, int g0, int g1, float *ybuf) {
+    const int B = a->batch;
+    for (int b = 0; b < B; b++) {
+        float *y = ybuf + (size_t)b * m->npad;
+        for (int n = row0; n < row1; n++) y[n] = 0.0f;
+    }
+    const int pf_rows = 2 * si4_prefetch_ahead; /* rows ahead whose codes are prefetched */
+    int next = g0; /* the next group with kept columns */
+    for (int g = g0; g < g1; g++) {
+        if (a->goff[g] == a->goff[g + 1]) continue; /* nothing kept: nothing read */
+        if (next <= g)
+            for (next = g + 1; next < g1 && a->goff[next] == a->goff[next + 1]; next++) {}
+        if (next < g1) { /* the next group's factors */
+            const size_t szb = m->sz_f16 ? 2 : 4;
+            const char *sz = (const char *)m->sz + ((size_t)next * 2 * m->npad + row0) * szb;
+            __builtin_prefetch(sz, 0, 3);
+            __builtin_prefetch(sz + (size_t)m->npad * szb, 0, 3);
+        }
+        if (B == 1) {
+            for (int row = row0; row < row1; row += 32 * B1_NC) {
+                const prefetch_t ahead = plan_prefetch(a, g, next, g1, row, row0, row1, pf_rows);
+                int nc = (row1 - row) / 32;
+                if (nc >= B1_NC) {
+                    block(m, a, g, row, ybuf, 1, 0, B1_NC, ahead);
+                } else {
+                    switch (nc) { /* the tail of the row range */
+                    case 1: block(m, a, g, row, ybuf, 1, 0, 1, ahead); break;
+#if B1_NC > 2
+                    case 2: block(m, a, g, row, ybuf, 1, 0, 2, ahead); break;
+#endif
+#if B1_NC > 3
+                    case 3: block(m, a, g, row, ybuf, 1, 0, 3, ahead); break;
+#endif
+                    default: break;
+                    }
+                }
+            }
+            continue;
+        }
+        /* batch: 32-row blocks, the rows of x in passes of up to PASS_MAX; the block's code
+         * bytes are read from memory by the first pass and from L1 by the others. */
+        const prefetch_t none = {0, 0, 0};
+        for (int row = row0; row < row1; row += 32) {
+            const prefetch_t ahead = plan_prefetch(a, g, next, g1, row, row0, row1, pf_rows);
+            for (int b0 = 0; b0 < B; b0 += PASS_MAX) {
+                const int bb = B - b0 < PASS_MAX ? B - b0 : PASS_MAX;
+                switch (bb) {
+                case 1: block(m, a, g, row, ybuf, 1, b0, 1, b0 ? none : ahead); break;
+                case 2: block(m, a, g, row, ybuf, 2, b0, 1, b0 ? none : ahead); break;
+#if PASS_MAX > 2
+                case 3: block(m, a, g, row, ybuf, 3, b0, 1, b0 ? none : ahead); break;
+                case 4: block(m, a, g, row, ybuf, 4, b0, 1, b0 ? none : ahead); break;
+#endif
+#if PASS_MAX > 4
+                case 5: block(m, a, g, row, ybuf, 5, b0, 1, b0 ? none : ahead); break;
+                case 6: block(m, a, g, row, ybuf, 6, b0, 1, b0 ? none : ahead); break;
+                case 7: block(m, a, g, row, ybuf, 7, b0, 1, b0 ? none : ahead); break;
+                case 8: block(m, a, g, row, ybuf, 8, b0, 1, b0 ? none : ahead); break;
+#endif
+                default: break;
+                }
+            }
+        }
+    }
+}

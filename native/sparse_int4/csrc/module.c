@@ -1,0 +1,460 @@
+/* CPython binding: llmlocal.native.sparse_int4._kernels.
+ *
+ *   Matrix(codes, sz, n, k, group, sz_f16)     wraps the packed arrays (kept alive, no copy)
+ *   Matrix.gemv(x, y, batch, x_stride, y_stride, threshold, dense, counts) -> n_kept
+ *       x, y, counts: an int address (torch's data_ptr()) or a C-contiguous buffer (numpy; its
+ *       format is checked);
+ *       x: (batch, x_stride) float32, y: (batch, y_stride) float32, counts: (batch,) int32 or None
+ *   set_isa(name) / isa() / best_isa(), set_num_threads(n) / num_threads(),
+ *   set_spin_us(us) / spin_us(), set_min_part_bytes(b) / min_part_bytes(),
+ *   tuning knobs: set_split_mode(m), set_pieces_per_thread(n), set_prefetch_ahead(bytes)
+ *
+ * Calls are serialised by one lock (the pool and the scratch buffers are shared); the GIL is
+ * released while a call runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sparse_int4.h"
+
+static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_best_isa, g_isa;
+static si4_kernel_fn g_kernel;
+static si4_prepare_fn g_prepare;
+static size_t g_min_part_bytes = 32768; /* below this much weight data per thread, use fewer threads */
+static int g_pieces_per_thread = 1; /* by rows: more bound the wait on a descheduled worker */
+/* How a call is split between threads: 0 by rows, 1 by groups of columns, 2 (auto) by groups
+ * when there are at least 32 per thread (K >= 2048 for 2 threads: long runs from memory, where
+ * it measured 10-25% faster), else by rows (small matrices, often cache-resident). */
+static int g_split_mode = 2;
+
+/* ---------------------------------------------------------------- scratch (under the lock) */
+
+static struct {
+    int32_t *cols, *goff;
+    float *xv, *xs, *ybuf;
+    size_t cols_n, goff_n, xv_n, xs_n, ybuf_n;
+} S;
+
+static int grow(void **p, size_t *cap, size_t n, size_t elem) {
+    if (n <= *cap) return 0;
+    void *q = NULL;
+    if (posix_memalign(&q, 64, n * elem)) return -1;
+    free(*p);
+    *p = q;
+    *cap = n;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the parallel part */
+
+#define MAX_GROUP_PIECES 16
+
+/* The work of one call, shared out in pieces (taken dynamically, see run_part) either
+ *   by rows:   piece c computes 128-row units [U c / C, U (c + 1) / C) over every group, or
+ *   by groups: piece c computes every row over the groups [gbound[c], gbound[c+1]) into its
+ *              own partial y, and the caller sums the partials.
+ * Splitting by groups keeps each column's whole run of rows in one thread: longer runs
+ * stream better from memory (the pieces hold about equal numbers of kept columns). */
+typedef struct {
+    const si4_matrix *m;
+    const si4_acts *a;
+    si4_kernel_fn kernel;
+    float *ybuf;       /* (pieces if by groups else 1, batch, npad) */
+    float *y;
+    size_t y_stride;
+    int n_pieces;
+    int by_groups;
+    int gbound[MAX_GROUP_PIECES + 1];
+    atomic_int next;   /* the next piece to take */
+} job_t;
+
+static void copy_out(const job_t *j, int r0, int r1) {
+    const int rn = r1 < j->m->n ? r1 : j->m->n;
+    for (int b = 0; b < j->a->batch && rn > r0; b++)
+        memcpy(j->y + (size_t)b * j->y_stride + r0, j->ybuf + (size_t)b * j->m->npad + r0,
+               sizeof(float) * (size_t)(rn - r0));
+}
+
+static void run_part(void *arg, int part, int n_parts) {
+    (void)part, (void)n_parts;
+    job_t *j = arg;
+    const int npad = j->m->npad, units = (npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
+    for (int c; (c = atomic_fetch_add(&j->next, 1)) < j->n_pieces;) {
+        if (j->by_groups) {
+            j->kernel(j->m, j->a, 0, npad, j->gbound[c], j->gbound[c + 1],
+                      j->ybuf + (size_t)c * j->a->batch * npad);
+            continue;
+        }
+        const int u0 = (int)((long)units * c / j->n_pieces), u1 = (int)((long)units * (c + 1) / j->n_pieces);
+        const int r0 = u0 * SI4_UNIT_ROWS, r1 = u1 * SI4_UNIT_ROWS < npad ? u1 * SI4_UNIT_ROWS : npad;
+        if (r0 >= r1) continue;
+        j->kernel(j->m, j->a, r0, r1, 0, j->a->n_groups, j->ybuf);
+        copy_out(j, r0, r1);
+    }
+}
+
+/* y = the sum of the pieces' partial products (by groups). */
+static void sum_pieces(const job_t *j) {
+    const size_t npad = (size_t)j->m->npad, slice = (size_t)j->a->batch * npad;
+    for (int b = 0; b < j->a->batch; b++) {
+        float *y = j->y + (size_t)b * j->y_stride;
+        const float *p = j->ybuf + (size_t)b * npad;
+        for (int n = 0; n < j->m->n; n++) {
+            float v = p[n];
+            for (int c = 1; c < j->n_pieces; c++) v += p[c * slice + n];
+            y[n] = v;
+        }
+    }
+}
+
+/* Splits the job between `parts` threads (see job_t); ybuf must hold parts * batch * npad. */
+static void plan_job(job_t *j, int parts) {
+    const int units = (j->m->npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
+    const int G = j->a->n_groups;
+    j->by_groups = parts > 1 && parts <= MAX_GROUP_PIECES && parts <= G &&
+                   (g_split_mode == 1 || (g_split_mode == 2 && G >= 32 * parts));
+    if (j->by_groups) {
+        j->n_pieces = parts;
+        const int32_t *goff = j->a->goff;
+        const long kept = goff[G];
+        int g = 0;
+        for (int c = 0; c <= parts; c++) { /* first group with at least kept * c / parts before it */
+            const long want = kept * c / parts;
+            while (g < G && goff[g] < want) g++;
+            j->gbound[c] = c == parts ? G : g;
+        }
+    } else {
+        j->n_pieces = parts == 1 ? 1 : (g_pieces_per_thread * parts < units ? g_pieces_per_thread * parts : units);
+    }
+    atomic_init(&j->next, 0);
+}
+
+/* ---------------------------------------------------------------- argument helpers */
+
+/* An int address, or a C-contiguous buffer of at least `need` bytes whose struct format is
+ * `fmt` ('f' float32, 'i' int32, 0: any); the buffer is released by the caller. */
+static int get_ptr(PyObject *obj, Py_buffer *view, int writable, size_t need, char fmt, void **out, const char *what) {
+    view->obj = NULL;
+    if (PyLong_Check(obj)) {
+        *out = PyLong_AsVoidPtr(obj);
+        if (PyErr_Occurred()) return -1;
+        if (!*out) {
+            PyErr_Format(PyExc_ValueError, "%s is a null pointer", what);
+            return -1;
+        }
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (fmt && (f[0] != fmt || f[1] != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must hold %s, not format '%s'", what, fmt == 'f' ? "float32" : "int32",
+                     view->format ? view->format : "B");
+    } else if ((size_t)view->len < need) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, the call needs %zu", what, view->len, need);
+    } else {
+        *out = view->buf;
+        return 0;
+    }
+    PyBuffer_Release(view);
+    view->obj = NULL;
+    return -1;
+}
+
+static void release(Py_buffer *view) {
+    if (view->obj) PyBuffer_Release(view);
+}
+
+/* ---------------------------------------------------------------- Matrix */
+
+typedef struct {
+    PyObject_HEAD si4_matrix m;
+    Py_buffer codes, sz;
+} MatrixObject;
+
+static void Matrix_dealloc(MatrixObject *self) {
+    release(&self->codes);
+    release(&self->sz);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Matrix_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"codes", "sz", "n", "k", "group", "sz_f16", NULL};
+    PyObject *codes, *sz;
+    int n, k, group, sz_f16;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOiiip", kwlist, &codes, &sz, &n, &k, &group, &sz_f16))
+        return NULL;
+    if (n < 1 || k < 1 || group < 1 || k % group) {
+        PyErr_Format(PyExc_ValueError, "bad matrix shape: n=%d, k=%d, group=%d", n, k, group);
+        return NULL;
+    }
+    MatrixObject *self = (MatrixObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->codes.obj = self->sz.obj = NULL;
+    const int npad = (n + SI4_CHUNK_ROWS - 1) / SI4_CHUNK_ROWS * SI4_CHUNK_ROWS;
+    const size_t colstride = (size_t)npad / 2;
+    const size_t sz_bytes = (size_t)(k / group) * 2 * npad * (sz_f16 ? 2 : 4);
+    void *pc, *ps;
+    if (get_ptr(codes, &self->codes, 0, (size_t)k * colstride, 0, &pc, "codes") < 0 ||
+        get_ptr(sz, &self->sz, 0, sz_bytes, 0, &ps, "sz") < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    if (!self->codes.obj || !self->sz.obj) {
+        PyErr_SetString(PyExc_TypeError, "codes and sz must be buffers (numpy arrays), which the Matrix keeps alive");
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->m = (si4_matrix){.codes = pc, .sz = ps, .n = n, .npad = npad, .k = k, .group = group,
+                           .sz_f16 = sz_f16, .colstride = colstride};
+    return (PyObject *)self;
+}
+
+static PyObject *Matrix_gemv(MatrixObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "gemv(x, y, batch, x_stride, y_stride, threshold, dense, counts)");
+        return NULL;
+    }
+    const si4_matrix *m = &self->m;
+    const long batch = PyLong_AsLong(args[2]);
+    const Py_ssize_t xs_ = PyLong_AsSsize_t(args[3]), ys_ = PyLong_AsSsize_t(args[4]);
+    const double threshold = PyFloat_AsDouble(args[5]);
+    const int dense = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred() || dense < 0) return NULL;
+    if (batch < 1 || batch > SI4_MAX_BATCH || xs_ < m->k || ys_ < m->n) {
+        PyErr_Format(PyExc_ValueError, "gemv: batch %ld must be 1..%d, x_stride >= %d, y_stride >= %d",
+                     batch, SI4_MAX_BATCH, m->k, m->n);
+        return NULL;
+    }
+    const size_t x_stride = (size_t)xs_, y_stride = (size_t)ys_;
+    Py_buffer vx, vy, vc;
+    void *px, *py, *pcnt = NULL;
+    vc.obj = NULL;
+    if (get_ptr(args[0], &vx, 0, sizeof(float) * (x_stride * (batch - 1) + m->k), 'f', &px, "x") < 0) return NULL;
+    if (get_ptr(args[1], &vy, 1, sizeof(float) * (y_stride * (batch - 1) + m->n), 'f', &py, "y") < 0) {
+        release(&vx);
+        return NULL;
+    }
+    if (args[7] != Py_None && get_ptr(args[7], &vc, 1, sizeof(int32_t) * batch, 'i', &pcnt, "counts") < 0) {
+        release(&vx);
+        release(&vy);
+        return NULL;
+    }
+
+    int n_kept = -1;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_call_lock);
+    const int G = m->k / m->group;
+    if (grow((void **)&S.cols, &S.cols_n, m->k, 4) == 0 && grow((void **)&S.goff, &S.goff_n, G + 1, 4) == 0 &&
+        grow((void **)&S.xv, &S.xv_n, (size_t)m->k * batch, 4) == 0 &&
+        grow((void **)&S.xs, &S.xs_n, (size_t)G * batch, 4) == 0 &&
+        grow((void **)&S.ybuf, &S.ybuf_n, (size_t)m->npad * batch * si4_pool_size(), 4) == 0) {
+        n_kept = g_prepare(px, x_stride, (int)batch, m->k, m->group, (float)threshold, dense, S.cols, S.goff,
+                             S.xv, S.xs, pcnt);
+        si4_acts a = {.batch = (int)batch, .n_groups = G, .n_kept = n_kept, .cols = S.cols, .goff = S.goff,
+                      .xv = S.xv, .xv_stride = (size_t)m->k, .xs = S.xs};
+        job_t job = {.m = m, .a = &a, .kernel = g_kernel, .ybuf = S.ybuf, .y = py, .y_stride = y_stride};
+        /* enough weight bytes per thread to pay for the hand-off */
+        const size_t bytes = (size_t)n_kept * m->colstride * batch;
+        int parts = (int)(bytes / (g_min_part_bytes ? g_min_part_bytes : 1));
+        const int units = (m->npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
+        if (parts > units) parts = units;
+        if (parts < 1) parts = 1;
+        if (parts > si4_pool_size()) parts = si4_pool_size();
+        /* Pieces are taken dynamically, so the caller also takes those of a worker that has not
+         * started (asleep, or its core busy). */
+        plan_job(&job, parts);
+        si4_pool_run(run_part, &job, parts);
+        if (job.by_groups) sum_pieces(&job);
+    }
+    pthread_mutex_unlock(&g_call_lock);
+    Py_END_ALLOW_THREADS
+    release(&vx);
+    release(&vy);
+    release(&vc);
+    if (n_kept < 0) return PyErr_NoMemory();
+    return PyLong_FromLong(n_kept);
+}
+
+static PyObject *Matrix_get_shape(MatrixObject *self, void *closure) {
+    (void)closure;
+    return Py_BuildValue("(ii)", self->m.n, self->m.k);
+}
+
+static PyMethodDef Matrix_methods[] = {
+    {"gemv", (PyCFunction)(void (*)(void))Matrix_gemv, METH_FASTCALL,
+     "gemv(x, y, batch, x_stride, y_stride, threshold, dense, counts) -> columns kept"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Matrix_getset[] = {
+    {"shape", (getter)Matrix_get_shape, NULL, "(n, k)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject MatrixType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.sparse_int4._kernels.Matrix",
+    .tp_basicsize = sizeof(MatrixObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Packed INT4 weight (see layout.py) bound to the GEMV kernels.",
+    .tp_new = Matrix_new,
+    .tp_dealloc = (destructor)Matrix_dealloc,
+    .tp_methods = Matrix_methods,
+    .tp_getset = Matrix_getset,
+};
+
+/* ---------------------------------------------------------------- module functions */
+
+static int isa_from_name(const char *s) {
+    if (!strcmp(s, "scalar")) return SI4_ISA_SCALAR;
+    if (!strcmp(s, "avx2")) return SI4_ISA_AVX2;
+    if (!strcmp(s, "avx512")) return SI4_ISA_AVX512;
+    return -1;
+}
+
+static PyObject *py_set_isa(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const char *s = PyUnicode_AsUTF8(arg);
+    if (!s) return NULL;
+    const int isa = isa_from_name(s);
+    if (isa < 0) return PyErr_Format(PyExc_ValueError, "unknown ISA %R: scalar, avx2 or avx512", arg);
+    if (isa > g_best_isa)
+        return PyErr_Format(PyExc_ValueError, "this CPU or build supports up to %s, not %s", si4_isa_name(g_best_isa), s);
+    pthread_mutex_lock(&g_call_lock);
+    g_isa = isa;
+    g_kernel = si4_kernel_for(isa);
+    g_prepare = si4_prepare_for(isa);
+    pthread_mutex_unlock(&g_call_lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_isa(PyObject *mod, PyObject *unused) {
+    (void)mod, (void)unused;
+    return PyUnicode_FromString(si4_isa_name(g_isa));
+}
+
+static PyObject *py_best_isa(PyObject *mod, PyObject *unused) {
+    (void)mod, (void)unused;
+    return PyUnicode_FromString(si4_isa_name(g_best_isa));
+}
+
+static PyObject *py_set_num_threads(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1 || n > 256) return PyErr_Format(PyExc_ValueError, "thread count %ld must be 1..256", n);
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_call_lock);
+    err = si4_pool_resize((int)n);
+    pthread_mutex_unlock(&g_call_lock);
+    Py_END_ALLOW_THREADS
+    if (err) return PyErr_Format(PyExc_OSError, "could not start %ld threads (error %d)", n, err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_num_threads(PyObject *mod, PyObject *unused) {
+    (void)mod, (void)unused;
+    return PyLong_FromLong(si4_pool_size());
+}
+
+static PyObject *py_set_spin_us(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const long us = PyLong_AsLong(arg);
+    if (us == -1 && PyErr_Occurred()) return NULL;
+    if (us < 0 || us > 1000000) return PyErr_Format(PyExc_ValueError, "spin time %ld us must be 0..1000000", us);
+    si4_pool_set_spin_us((int)us);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_spin_us(PyObject *mod, PyObject *unused) {
+    (void)mod, (void)unused;
+    return PyLong_FromLong(si4_pool_spin_us());
+}
+
+static PyObject *py_set_min_part_bytes(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const long long b = PyLong_AsLongLong(arg);
+    if (b == -1 && PyErr_Occurred()) return NULL;
+    if (b < 0) return PyErr_Format(PyExc_ValueError, "min_part_bytes %lld must be >= 0", b);
+    g_min_part_bytes = (size_t)b;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_min_part_bytes(PyObject *mod, PyObject *unused) {
+    (void)mod, (void)unused;
+    return PyLong_FromSize_t(g_min_part_bytes);
+}
+
+static PyObject *py_set_prefetch_ahead(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || n > 65536 || n % 64)
+        return PyErr_Format(PyExc_ValueError, "prefetch distance %ld must be a multiple of 64 in 0..65536", n);
+    si4_prefetch_ahead = (int)n;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_pieces_per_thread(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1 || n > 64) return PyErr_Format(PyExc_ValueError, "pieces per thread %ld must be 1..64", n);
+    g_pieces_per_thread = (int)n;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_split_mode(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    if (v < 0 || v > 2) return PyErr_Format(PyExc_ValueError, "split mode %ld must be 0 (rows), 1 (groups), 2 (auto)", v);
+    g_split_mode = (int)v;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_isa", py_set_isa, METH_O, "Use the kernels of this ISA (scalar, avx2, avx512); at most best_isa()."},
+    {"isa", py_isa, METH_NOARGS, "The ISA whose kernels run."},
+    {"best_isa", py_best_isa, METH_NOARGS, "The best ISA this CPU and build support."},
+    {"set_num_threads", py_set_num_threads, METH_O, "Threads per GEMV, the caller included."},
+    {"num_threads", py_num_threads, METH_NOARGS, "Threads per GEMV, the caller included."},
+    {"set_spin_us", py_set_spin_us, METH_O, "How long an idle worker spins before it sleeps (microseconds)."},
+    {"spin_us", py_spin_us, METH_NOARGS, "How long an idle worker spins before it sleeps (microseconds)."},
+    {"set_min_part_bytes", py_set_min_part_bytes, METH_O, "Weight bytes a thread must have to take part."},
+    {"min_part_bytes", py_min_part_bytes, METH_NOARGS, "Weight bytes a thread must have to take part."},
+    {"set_pieces_per_thread", py_set_pieces_per_thread, METH_O, "Row pieces per thread, taken dynamically."},
+    {"set_split_mode", py_set_split_mode, METH_O, "Split calls between threads: 0 by rows, 1 by groups, 2 auto."},
+    {"set_prefetch_ahead", py_set_prefetch_ahead, METH_O, "Bytes ahead in a column's run to prefetch."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_kernels", "Sparse INT4 GEMV kernels (see llmlocal.native.sparse_int4).", -1,
+    module_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    g_best_isa = g_isa = si4_best_isa();
+    g_kernel = si4_kernel_for(g_isa);
+    g_prepare = si4_prepare_for(g_isa);
+    if (PyType_Ready(&MatrixType) < 0) return NULL;
+    PyObject *mod = PyModule_Create(&module_def);
+    if (!mod) return NULL;
+    Py_INCREF(&MatrixType);
+    if (PyModule_AddObject(mod, "Matrix", (PyObject *)&MatrixType) < 0 ||
+        PyModule_AddIntConstant(mod, "MAX_BATCH", SI4_MAX_BATCH) < 0 ||
+        PyModule_AddIntConstant(mod, "CHUNK_ROWS", SI4_CHUNK_ROWS) < 0) {
+        Py_DECREF(&MatrixType);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
+}

@@ -1,0 +1,139 @@
+"""`SparseInt4Linear`: one packed INT4 weight and its sparse / dense GEMV.
+
+    lin = SparseInt4Linear.from_codes(codes, scale, zero, group_size=32)   # Int4Codes' arrays
+    y = lin(x, threshold=0.1)        # x (K,) or (B, K) float32, torch (CPU) or numpy
+    lin.kept_columns, lin.sparsity   # of that call: columns read, fraction skipped
+    y = lin(x)                       # dense: every column, through the same kernel
+
+Inputs with |x_j| <= threshold count as zero and their weight columns are not read. With a
+batch (B rows, e.g. speculative verification) a column is read once when any row keeps it;
+`kept_per_row()` gives each row's own count. More than 8 rows run in chunks of 8 (each chunk
+reads the weight once; `kept_columns` is then the largest chunk's, `kept_per_row` the last
+chunk's).
+No copies: x must be a C-contiguous float32 array (torch CPU tensor or numpy); the result
+(or `out`, if given: float32, C-contiguous, shape (N,) or (B, N)) has x's type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .layout import PackedInt4, ScaleDtype, pack_int4
+from .runtime import kernels
+
+MAX_BATCH = 8
+
+
+class SparseInt4Linear:
+    """y = W x for a weight (N out, K in) stored as 4-bit codes with per-group factors."""
+
+    def __init__(self, packed: PackedInt4) -> None:
+        self.packed = packed
+        self.in_features = packed.k
+        self.out_features = packed.n
+        self._matrix = kernels().Matrix(packed.codes, packed.sz, packed.n, packed.k, packed.group_size, packed.sz_f16)
+        self._counts = np.zeros(MAX_BATCH, dtype=np.int32)  # per-row kept counts of the last call
+        self._counts_ptr = self._counts.ctypes.data
+        self._last_batch = 0
+        self.kept_columns = -1  # columns read by the last call (union over its rows); -1 before any
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: Any,
+        scale: Any,
+        zero: Any,
+        group_size: int = 32,
+        scale_dtype: ScaleDtype = "auto",
+    ) -> SparseInt4Linear:
+        """From (N, K) codes in [0, 15] and (N, K // group_size) scale and zero (numpy or torch),
+        W = (codes - 8) * scale + zero; repacks once (see layout.py)."""
+        return cls(pack_int4(_numpy(codes), _numpy(scale), _numpy(zero), group_size, scale_dtype))
+
+    @classmethod
+    def from_int4(cls, w: Any, scale_dtype: ScaleDtype = "auto") -> SparseInt4Linear:
+        """From an object with `codes`, `scale`, `zero`, `group_size` (the engine's Int4Codes)."""
+        return cls.from_codes(w.codes, w.scale, w.zero, w.group_size, scale_dtype)
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of columns the last call skipped (0.0 before any call)."""
+        return 0.0 if self.kept_columns < 0 else 1.0 - self.kept_columns / self.in_features
+
+    def kept_per_row(self) -> list[int]:
+        """Inputs each row of the last call kept (its own count, not the union)."""
+        return self._counts[: self._last_batch].tolist()
+
+    def weight_bytes(self) -> int:
+        return self.packed.nbytes
+
+    def __call__(self, x: Any, threshold: float | None = None, out: Any = None) -> Any:
+        return self.forward(x, threshold, out)
+
+    def forward(self, x: Any, threshold: float | None = None, out: Any = None) -> Any:
+        """y = W x' where x' zeroes |x_j| <= threshold (None: dense). x (K,) or (B, K)."""
+        k, n = self.in_features, self.out_features
+        if isinstance(x, np.ndarray):
+            # the kernel checks the buffers' format, contiguity and size
+            if out is None:
+                out = np.empty(x.shape[:-1] + (n,), dtype=np.float32)
+            elif out.shape != x.shape[:-1] + (n,):
+                raise ValueError(f"out must have shape {x.shape[:-1] + (n,)}, not {out.shape}")
+            px, py = x, out
+        else:
+            f32 = _torch_float32()
+            if x.dtype is not f32 or not x.is_cpu or not x.is_contiguous():
+                raise ValueError(f"x must be a contiguous float32 CPU tensor, got {x.dtype} on {x.device}")
+            if out is None:
+                out = x.new_empty(x.shape[:-1] + (n,))
+            elif out.dtype is not f32 or not out.is_cpu or not out.is_contiguous() or out.shape != x.shape[:-1] + (n,):
+                raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {tuple(x.shape[:-1]) + (n,)}")
+            px, py = x.data_ptr(), out.data_ptr()
+        if x.ndim == 1:
+            batch = 1
+        elif x.ndim == 2:
+            batch = x.shape[0]
+        else:
+            batch = -1
+        if batch < 0 or x.shape[-1] != k:
+            raise ValueError(f"x must be ({k},) or (B, {k}), got {tuple(x.shape)}")
+        dense = threshold is None
+        t = 0.0 if dense else threshold
+        if 0 < batch <= MAX_BATCH:
+            self.kept_columns = self._matrix.gemv(px, py, batch, k, n, t, dense, self._counts_ptr)
+            self._last_batch = batch
+        elif batch > MAX_BATCH:
+            self._forward_chunks(x, out, batch, t, dense)
+        return out
+
+    def _forward_chunks(self, x: Any, out: Any, batch: int, t: float, dense: bool) -> None:
+        k, n = self.in_features, self.out_features
+        kept = 0
+        for b0 in range(0, batch, MAX_BATCH):
+            bb = min(MAX_BATCH, batch - b0)
+            xb, yb = x[b0 : b0 + bb], out[b0 : b0 + bb]  # contiguous row ranges: views, no copies
+            if not isinstance(x, np.ndarray):
+                xb, yb = xb.data_ptr(), yb.data_ptr()
+            kept = max(kept, self._matrix.gemv(xb, yb, bb, k, n, t, dense, self._counts_ptr))
+            self._last_batch = bb
+        self.kept_columns = kept
+
+
+_F32: Any = None
+
+
+def _torch_float32() -> Any:
+    global _F32
+    if _F32 is None:
+        import torch
+
+        _F32 = torch.float32
+    return _F32
+
+
+def _numpy(a: Any) -> np.ndarray:
+    if isinstance(a, np.ndarray):
+        return a
+    return a.detach().cpu().numpy()

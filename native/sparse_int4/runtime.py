@@ -1,0 +1,91 @@
+"""Loading the compiled kernels, and the process-wide settings: ISA, threads, idle spin.
+
+Environment (read when the kernels are first loaded):
+
+    LLMLOCAL_SPARSE_ISA=scalar|avx2|avx512   force a path (at most the best this CPU supports)
+    LLMLOCAL_SPARSE_THREADS=N                threads per GEMV, caller included
+                                             (default: the CPUs this process may run on)
+    LLMLOCAL_SPARSE_SPIN_US=US               how long idle workers spin before sleeping (200)
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+ISAS = ("scalar", "avx2", "avx512")  # lowest first
+_kernels: ModuleType | None = None
+
+
+class KernelsUnavailableError(ImportError):
+    """The compiled extension is missing (llmlocal was installed without building it)."""
+
+
+def kernels() -> ModuleType:
+    """The `_kernels` extension, configured from the environment at first use."""
+    global _kernels
+    if _kernels is None:
+        try:
+            from . import _kernels as k
+        except ImportError as e:
+            raise KernelsUnavailableError(
+                "The sparse INT4 kernels of llmlocal are not compiled; reinstall llmlocal on a "
+                f"machine with a C compiler (pip install --force-reinstall --no-deps llmlocal). ({e})"
+            ) from e
+        _configure(k)
+        _kernels = k
+    return _kernels
+
+
+def _configure(k: ModuleType) -> None:
+    isa = os.environ.get("LLMLOCAL_SPARSE_ISA", "").strip().lower()
+    if isa:
+        if isa not in ISAS:
+            raise ValueError(f"LLMLOCAL_SPARSE_ISA={isa!r}: use one of {', '.join(ISAS)}")
+        k.set_isa(isa)
+    threads = os.environ.get("LLMLOCAL_SPARSE_THREADS", "").strip()
+    k.set_num_threads(int(threads) if threads else default_threads())
+    spin = os.environ.get("LLMLOCAL_SPARSE_SPIN_US", "").strip()
+    if spin:
+        k.set_spin_us(int(spin))
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def best_isa() -> str:
+    """The best path this CPU and build support: avx512, avx2 or scalar."""
+    return kernels().best_isa()
+
+
+def available_isas() -> list[str]:
+    """Every path that can run here, lowest first (tests run each)."""
+    return list(ISAS[: ISAS.index(best_isa()) + 1])
+
+
+def isa() -> str:
+    """The path the kernels take now."""
+    return kernels().isa()
+
+
+def set_isa(name: str) -> None:
+    """Take the `name` path (scalar, avx2, avx512); ValueError above best_isa()."""
+    kernels().set_isa(name)
+
+
+def num_threads() -> int:
+    return kernels().num_threads()
+
+
+def set_num_threads(n: int) -> None:
+    """Threads per GEMV, the caller included (the pool is restarted)."""
+    kernels().set_num_threads(n)
+
+
+def set_spin_us(us: int) -> None:
+    """How long an idle worker spins before it sleeps: decode calls GEMVs back to back."""
+    kernels().set_spin_us(us)

@@ -1,0 +1,62 @@
+"""Native extension of llmlocal; everything else is configured in pyproject.toml.
+
+`llmlocal.native.sparse_int4._kernels` (C11): the sparse INT4 GEMV kernels. On x86-64 the
+AVX2 and AVX-512 variants are compiled in their own translation units with their own -m
+flags and picked at load time by CPU feature checks, so one wheel runs on any x86-64; on
+other architectures only the portable variant is built.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+CSRC = "native/sparse_int4/csrc"
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+# Variant translation unit -> the instruction-set flags it alone is compiled with.
+ISA_SOURCES = {
+    f"{CSRC}/isa_avx2.c": ["-mavx2", "-mfma", "-mf16c", "-mpopcnt"],
+    f"{CSRC}/isa_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c", "-mpopcnt"],
+}
+
+
+class BuildExt(build_ext):
+    """Compiles each ISA variant with its flags, then links them into the extension."""
+
+    def build_extension(self, ext: Extension) -> None:
+        isa_sources: dict[str, list[str]] = getattr(ext, "isa_sources", {})
+        if isa_sources and self.compiler.compiler_type == "unix":
+            objects: list[str] = []
+            for source, flags in isa_sources.items():
+                objects += self.compiler.compile(
+                    [source],
+                    output_dir=self.build_temp,
+                    macros=ext.define_macros + [("LLMLOCAL_X86_VARIANTS", "1")],
+                    include_dirs=ext.include_dirs,
+                    extra_postargs=ext.extra_compile_args + flags,
+                    depends=ext.depends,
+                )
+            ext.extra_objects = list(ext.extra_objects) + objects
+            ext.define_macros = ext.define_macros + [("LLMLOCAL_X86_VARIANTS", "1")]
+        super().build_extension(ext)
+
+
+def sparse_int4_extension() -> Extension:
+    ext = Extension(
+        "llmlocal.native.sparse_int4._kernels",
+        sources=[f"{CSRC}/{name}" for name in ("module.c", "pool.c", "dispatch.c", "isa_scalar.c")],
+        include_dirs=[CSRC],
+        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "kernel_body.h", "prep_body.h")] + list(ISA_SOURCES),
+        extra_compile_args=["-std=c11", "-O3", "-pthread", "-fvisibility=hidden"],
+        extra_link_args=["-pthread"],
+    )
+    ext.isa_sources = ISA_SOURCES if X86 else {}  # type: ignore[attr-defined]
+    return ext
+
+
+ext_modules = [sparse_int4_extension()] if os.name == "posix" and sys.platform != "cygwin" else []
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})
