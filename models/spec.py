@@ -11,6 +11,21 @@ from typing import Any
 from .errors import ModelFormatError
 from .gguf_header import ArrayInfo, TensorInfo, read_gguf_header
 
+# Activation-sparsity calibration written by `llmlocal quantize --sparsity` (llama.cpp ignores
+# these keys). Each projection input of a layer has a threshold t; inputs with |x| <= t are
+# zeroed (see llmlocal.engine.model.sparsity):
+#   llmlocal.sparsity.level                 f32   fraction of inputs the thresholds zero
+#   llmlocal.sparsity.thresholds.<proj>     f32[n_layers]
+#   llmlocal.sparsity.calibration_tokens    u32   tokens of calibration text
+#   llmlocal.sparsity.calibration_text      str   "built-in" or the file's name
+#   llmlocal.sparsity.grid.levels           f32[G]   other levels, for run-time overrides
+#   llmlocal.sparsity.grid.<proj>           f32[G * n_layers], level-major
+SPARSITY_PREFIX = "llmlocal.sparsity."
+# `quantize --sparsity` with no value: the highest level whose perplexity increase on the
+# starter model stayed within 5% (the table of `llmlocal.quant.sparsity_quality`).
+DEFAULT_SPARSITY = 0.3
+SPARSITY_PROJECTIONS = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
+
 
 @dataclass(frozen=True)
 class SpecialTokens:
@@ -22,6 +37,38 @@ class SpecialTokens:
     eos: str | None = None
     add_bos: bool = False
     add_eos: bool = False
+
+
+@dataclass(frozen=True)
+class SparsitySpec:
+    """A model's calibrated activation-sparsity thresholds (`ModelSpec.sparsity`)."""
+
+    level: float
+    thresholds: dict[str, tuple[float, ...]]  # projection -> threshold per layer
+    calibration_tokens: int
+    calibration_text: str = ""
+    grid_levels: tuple[float, ...] = ()  # ascending
+    grid: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)  # proj -> [level][layer]
+
+    def at(self, level: float) -> dict[str, tuple[float, ...]]:
+        """Thresholds for ``level``: the calibrated ones at the calibrated level, zeros (dense)
+        at 0, else interpolated linearly between the two nearest known levels (the grid plus
+        the calibrated level; clamped at the grid's top)."""
+        n_layers = len(self.thresholds[SPARSITY_PROJECTIONS[0]])
+        known: dict[float, dict[str, tuple[float, ...]]] = {0.0: {p: (0.0,) * n_layers for p in SPARSITY_PROJECTIONS}}
+        for i, x in enumerate(self.grid_levels):
+            known[x] = {p: self.grid[p][i] for p in SPARSITY_PROJECTIONS}
+        known[self.level] = dict(self.thresholds)  # exact where it was asked for
+        levels = sorted(known)
+        level = min(max(level, 0.0), levels[-1])
+        hi = next(x for x in levels if x >= level - 1e-6)
+        if hi - level < 1e-6:
+            return dict(known[hi])
+        lo = max(x for x in levels if x < level)
+        w = (level - lo) / (hi - lo)
+        return {
+            p: tuple((1 - w) * a + w * b for a, b in zip(known[lo][p], known[hi][p])) for p in SPARSITY_PROJECTIONS
+        }
 
 
 @dataclass(frozen=True)
@@ -49,6 +96,7 @@ class ModelSpec:
     tokenizer_model: str | None
     tokens: tuple[str, ...] = field(repr=False, default=())
     metadata: dict[str, Any] = field(repr=False, default_factory=dict)
+    sparsity: SparsitySpec | None = None  # activation thresholds, when calibrated
 
     @property
     def weight_bytes(self) -> int:
@@ -101,6 +149,7 @@ class ModelSpec:
             "has_chat_template": self.chat_template is not None,
             "bos": self.special.bos,
             "eos": self.special.eos,
+            "sparsity": self.sparsity.level if self.sparsity is not None else None,
         }
 
 
@@ -199,4 +248,40 @@ def spec_from_gguf(path: str | os.PathLike[str]) -> ModelSpec:
         tokenizer_model=md.get("tokenizer.ggml.model"),
         tokens=tokens,
         metadata=scalars,
+        sparsity=_sparsity_from_metadata(md, n_layers, path),
+    )
+
+
+def _sparsity_from_metadata(md: dict[str, Any], n_layers: int, path: str) -> SparsitySpec | None:
+    """The `llmlocal.sparsity.*` keys as a `SparsitySpec`; None when the file has none."""
+    if SPARSITY_PREFIX + "level" not in md:
+        return None
+    bad = ModelFormatError(
+        f"{path} has incomplete or malformed {SPARSITY_PREFIX}* keys: calibrate it again with "
+        "`llmlocal quantize MODEL --sparsity S -o OUT`."
+    )
+    level = md[SPARSITY_PREFIX + "level"]
+    thresholds = {p: md.get(f"{SPARSITY_PREFIX}thresholds.{p}") for p in SPARSITY_PROJECTIONS}
+    if not isinstance(level, float) or not 0.0 < level < 1.0:
+        raise bad
+    if any(not isinstance(t, list) or len(t) != n_layers for t in thresholds.values()):
+        raise bad
+    grid_levels = md.get(SPARSITY_PREFIX + "grid.levels")
+    grid: dict[str, tuple[tuple[float, ...], ...]] = {}
+    if isinstance(grid_levels, list) and grid_levels:
+        g = len(grid_levels)
+        for p in SPARSITY_PROJECTIONS:
+            flat = md.get(f"{SPARSITY_PREFIX}grid.{p}")
+            if not isinstance(flat, list) or len(flat) != g * n_layers:
+                raise bad
+            grid[p] = tuple(tuple(flat[i * n_layers : (i + 1) * n_layers]) for i in range(g))
+    else:
+        grid_levels = []
+    return SparsitySpec(
+        level=float(level),
+        thresholds={p: tuple(float(v) for v in t) for p, t in thresholds.items()},  # type: ignore[union-attr]
+        calibration_tokens=int(md.get(SPARSITY_PREFIX + "calibration_tokens", 0) or 0),
+        calibration_text=str(md.get(SPARSITY_PREFIX + "calibration_text", "")),
+        grid_levels=tuple(float(x) for x in grid_levels),
+        grid=grid,
     )

@@ -5,6 +5,12 @@
       '-- llama.cpp formats: stream tensors -> reference.gguf -> llama_model_quantize -> OUT
     evaluate(reference, OUT) -> OUT.quality.json
 
+With --sparsity S the finished output is run through llmlocal's torch model on calibration
+text, and a copy with per-layer activation thresholds under `llmlocal.sparsity.*` (tensors
+byte for byte) becomes OUT (`sparsity.py`); the report then also measures the sparse model
+against the dense one on held-out text (`sparsity_quality.py`). A 4-bit GGUF source with
+--sparsity and no --type is only calibrated: nothing is requantized.
+
 Every file is written under a temporary name in OUT's directory and renamed when complete,
 so an interruption, an error or a full disk leaves nothing at OUT; temporaries are removed
 on the way out. The output is renamed into place before the evaluation starts: it is
@@ -25,20 +31,29 @@ from pathlib import Path
 from typing import TextIO
 
 from gguf import GGUFValueType, Keys, LlamaFileType
-
 from llmlocal.models import read_gguf_header
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.spec import SparsitySpec
 
 from . import tensor_types
 from .convert import write_gguf
 from .errors import QuantizeError, write_error
-from .evaluate import BUILTIN_TEXT, QualityReport, builtin_eval_text, evaluate_quality, read_eval_text
+from .evaluate import (
+    BUILTIN_TEXT,
+    QualityReport,
+    builtin_eval_text,
+    evaluate_quality,
+    read_eval_text,
+)
 from .formats import DEFAULT_FORMAT, Format, get_format
+from .gguf_source import open_gguf
 from .gguf_writer import KV, tensor_nbytes
 from .llama_quantize import quantize_with_llama_cpp
 from .open_source import open_source
 from .progress import Listener, Progress
 from .source import ModelSource, SourceTensor
+from .sparsity import INT4_STORAGE, SPARSE_FORMATS, check_level, read_calibration_text
+from .sparsity_quality import SparsityQuality
 
 QUANTIZATION_VERSION = 2  # ggml's block layout version, written by every converter
 _REFERENCE_FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16"}
@@ -50,16 +65,28 @@ class QuantizeJob:
 
     src: str
     out: str | None = None  # None: ./<name>-<TYPE>.gguf
-    type: str = DEFAULT_FORMAT
+    type: str | None = None  # None: DEFAULT_FORMAT, or the source's own tensors when only calibrating
     evaluate: bool = True
     eval_text: str | None = None  # a text file; None: the built-in text
     eval_ctx: int = 512
     eval_tokens: int | None = None  # evaluate at most this many tokens of the text
     allow_requantize: bool = False
     threads: int | None = None  # None: all cores
+    sparsity: float | None = None  # calibrate activation thresholds that zero this fraction
+    calib_text: str | None = None  # a text file for the calibration; None: half of the built-in text
 
     def __post_init__(self) -> None:
-        get_format(self.type)
+        if self.type is not None:
+            get_format(self.type)
+        if self.sparsity is not None:
+            check_level(self.sparsity)
+            if self.type is not None and self.type.lower() not in SPARSE_FORMATS:
+                raise LLMLocalError(
+                    f"--sparsity needs a 4-bit type, not {self.type}: the sparse engine reads INT4 weights, "
+                    f"so choose one of {', '.join(SPARSE_FORMATS)}."
+                )
+        elif self.calib_text is not None:
+            raise LLMLocalError("--calib gives the text for --sparsity: add --sparsity S, or leave --calib out.")
         if self.eval_ctx < 16:
             raise LLMLocalError(f"The evaluation window must be at least 16 tokens, got {self.eval_ctx}.")
         if self.eval_tokens is not None and self.eval_tokens < 2:
@@ -79,6 +106,9 @@ class QuantizeResult:
     warnings: tuple[str, ...] = ()
     quality: QualityReport | None = None
     quality_path: str | None = None
+    sparsity: SparsitySpec | None = None  # the thresholds written, with --sparsity
+    sparsity_quality: SparsityQuality | None = None
+    sparsity_path: str | None = None  # where sparsity_quality was saved
 
     @property
     def bits_per_weight(self) -> float:
@@ -92,7 +122,9 @@ class _Session:
     stream: TextIO | None
     listener: Listener | None
     threads: int
+    calib_text: str | None = None  # with --sparsity: the text to calibrate on
     temporaries: list[Path] = field(default_factory=list)
+    sparsity: SparsitySpec | None = None  # set once the output is calibrated
 
     def note(self, message: str) -> None:
         if self.stream is not None:
@@ -127,11 +159,12 @@ def quantize(job: QuantizeJob, *, stream: TextIO | None = None, listener: Listen
     """Run ``job``; progress and notes go to ``stream`` (the CLI passes stderr; None is silent).
     ``listener`` is called with (phase, done, total) on every progress update — raising from it
     aborts the job, which then cleans up like any interrupted one."""
-    fmt = get_format(job.type)
+    fmt = get_format(job.type or DEFAULT_FORMAT)
     text = None
-    if job.evaluate:  # read the text first: a bad --eval path should not cost a conversion
+    if job.evaluate:  # read the texts first: a bad --eval path should not cost a conversion
         text = read_eval_text(job.eval_text) if job.eval_text else builtin_eval_text()
-    session = _Session(job, fmt, stream, listener, job.threads or _usable_cpus())
+    calib = read_calibration_text(job.calib_text) if job.sparsity is not None else None
+    session = _Session(job, fmt, stream, listener, job.threads or _usable_cpus(), calib)
     try:
         with open_source(job.src) as source:
             return _run(session, source, text)
@@ -141,6 +174,8 @@ def quantize(job: QuantizeJob, *, stream: TextIO | None = None, listener: Listen
 
 def _run(session: _Session, source: ModelSource, text: str | None) -> QuantizeResult:
     job, fmt = session.job, session.fmt
+    if source.is_quantized and job.sparsity is not None and job.type is None:
+        return _calibrate_only(session, source, text)
     out = _output_path(job.out, source, fmt)
     _check_output(out, source)
     for message in source.warnings:
@@ -149,7 +184,8 @@ def _run(session: _Session, source: ModelSource, text: str | None) -> QuantizeRe
         if not job.allow_requantize:
             raise QuantizeError(
                 f"{source.path} is already quantized ({source.storage_type}); quantizing it again compounds the "
-                "error: convert the original F16/BF16 model, or pass --allow-requantize to do it anyway."
+                "error: convert the original F16/BF16 model, or pass --allow-requantize to do it anyway"
+                + (" (or drop --type to only add the sparsity calibration)." if job.sparsity is not None else ".")
             )
         session.note(
             f"requantizing {source.storage_type} weights compounds their rounding error; the report compares "
@@ -173,6 +209,7 @@ def _run(session: _Session, source: ModelSource, text: str | None) -> QuantizeRe
         seconds=round(seconds, 2),
         tensor_types=dict(counts.most_common()),
         warnings=tuple(source.warnings),
+        sparsity=session.sparsity,
     )
     if text is None:
         return result
@@ -191,7 +228,8 @@ def _run(session: _Session, source: ModelSource, text: str | None) -> QuantizeRe
     progress.close()
     quality_path = f"{out}.quality.json"
     quality.save(quality_path)
-    return dataclasses.replace(result, quality=quality, quality_path=quality_path)
+    result = dataclasses.replace(result, quality=quality, quality_path=quality_path)
+    return _evaluate_sparsity(session, out, result)
 
 
 def _convert_ourselves(session: _Session, source: ModelSource, out: Path) -> Path:
@@ -211,7 +249,7 @@ def _convert_ourselves(session: _Session, source: ModelSource, out: Path) -> Pat
     _check_space(out, _planned_bytes(planned) + (_reference_bytes(source) if needs_reference else 0))
     partial = session.temporary(out, "output")
     _write(session, source, planned, fmt.llama_file_type, partial, f"converting to {fmt.label}", final=True)
-    os.replace(partial, out)
+    _publish(session, partial, out)
     if source.gguf_path is not None:
         return Path(source.gguf_path)
     if not needs_reference:
@@ -240,8 +278,109 @@ def _convert_with_llama_cpp(session: _Session, source: ModelSource, out: Path) -
     finally:
         progress.close()
     _fsync(partial)
-    os.replace(partial, out)
+    _publish(session, partial, out)
     return reference
+
+
+# ---- activation sparsity --------------------------------------------------------------------
+def _publish(session: _Session, partial: Path, out: Path) -> None:
+    """Rename the finished output into place; with --sparsity, calibrate it first and publish
+    the copy that carries the thresholds."""
+    if session.job.sparsity is None:
+        os.replace(partial, out)
+        return
+    _check_space(out, partial.stat().st_size + 16_000_000)
+    session.sparsity = _calibrate(session, partial)
+    calibrated = session.temporary(out, "sparse")
+    with open_gguf(partial) as quantized:
+        _write_calibrated(session, quantized, calibrated, session.sparsity)
+    os.replace(calibrated, out)
+
+
+def _calibrate(session: _Session, gguf: Path) -> SparsitySpec:
+    from .sparsity import (
+        BUILTIN_CALIBRATION_TEXT,
+        calibrate,
+        split_builtin_text,
+        torch_model,
+    )
+
+    job = session.job
+    assert job.sparsity is not None
+    text = session.calib_text if session.calib_text is not None else split_builtin_text()[0]
+    name = job.calib_text or BUILTIN_CALIBRATION_TEXT
+    progress = session.progress(f"calibrating {job.sparsity:.0%} activation sparsity", unit="tokens")
+    try:
+        with torch_model(gguf, job.eval_ctx, job.threads) as model:
+            return calibrate(model, text, job.sparsity, ctx=job.eval_ctx, text_name=name, progress=progress)
+    finally:
+        progress.close()
+
+
+def _write_calibrated(session: _Session, src: ModelSource, dst: Path, sparsity: SparsitySpec) -> None:
+    from .sparsity import write_with_sparsity
+
+    progress = session.progress("writing the thresholds")
+    try:
+        write_with_sparsity(src, dst, sparsity, workers=session.threads, progress=progress)
+    finally:
+        progress.close()
+
+
+def _calibrate_only(session: _Session, source: ModelSource, text: str | None) -> QuantizeResult:
+    """A 4-bit GGUF + --sparsity, no --type: calibrate it and copy it with the thresholds."""
+    job = session.job
+    if source.storage_type not in INT4_STORAGE:
+        raise QuantizeError(
+            f"{source.path} stores {source.storage_type} weights and the sparse engine reads 4-bit ones: pass "
+            f"--type q4_k_m (or q4_0) --allow-requantize to requantize it, or start from the F16/BF16 model."
+        )
+    if job.out is None or Path(job.out).expanduser().is_dir():
+        name = f"{Path(source.path).stem}-sparse{round(job.sparsity * 100)}.gguf"  # type: ignore[operator]
+        out = (Path(job.out).expanduser() if job.out else Path.cwd()) / name
+    else:
+        out = Path(job.out).expanduser()
+    _check_output(out, source)
+    _check_space(out, Path(source.path).stat().st_size + 16_000_000)
+    started = time.monotonic()
+    session.sparsity = _calibrate(session, Path(source.path))
+    partial = session.temporary(out, "output")
+    _write_calibrated(session, source, partial, session.sparsity)
+    os.replace(partial, out)
+    header = read_gguf_header(out)
+    result = QuantizeResult(
+        output=str(out),
+        type=source.storage_type,
+        output_bytes=header.file_size,
+        n_params=sum(t.n_elements for t in header.tensors),
+        seconds=round(time.monotonic() - started, 2),
+        tensor_types=dict(Counter(t.type_name for t in header.tensors).most_common()),
+        warnings=tuple(source.warnings),
+        sparsity=session.sparsity,
+    )
+    # The tensors are the source's: only the sparse-vs-dense report says something new.
+    return _evaluate_sparsity(session, out, result) if text is not None else result
+
+
+def _evaluate_sparsity(session: _Session, out: Path, result: QuantizeResult) -> QuantizeResult:
+    """The sparse output against its dense self on held-out text, saved as OUT.sparsity.json."""
+    from .sparsity_quality import evaluate_sparsity
+
+    job = session.job
+    if session.sparsity is None:
+        return result
+    text = read_eval_text(job.eval_text) if job.eval_text else None  # None: the built-in held-out half
+    progress = session.progress("evaluating sparsity", unit="tokens")
+    try:
+        quality = evaluate_sparsity(
+            out, (session.sparsity.level,), sparsity=session.sparsity, text=text, text_name=job.eval_text,
+            ctx=job.eval_ctx, max_tokens=job.eval_tokens, threads=job.threads, progress=progress,
+        )
+    finally:
+        progress.close()
+    path = f"{out}.sparsity.json"
+    quality.save(path)
+    return dataclasses.replace(result, sparsity_quality=quality, sparsity_path=path)
 
 
 # ---- paths and space ------------------------------------------------------------------------

@@ -24,6 +24,24 @@ def engine() -> Iterator[Engine]:
         yield e
 
 
+@pytest.fixture(scope="session")
+def sparse_starter(tmp_path_factory: pytest.TempPathFactory, starter_path: str) -> tuple[Path, dict]:
+    """The starter GGUF calibrated at 50% activation sparsity through `llmlocal quantize
+    ... --sparsity 0.5 --json` (tensors copied, thresholds added), and the command's report."""
+    import io
+    import json
+    from contextlib import redirect_stdout
+
+    from llmlocal.app import cli
+
+    out = tmp_path_factory.mktemp("sparse") / "starter-sparse.gguf"
+    stdout = io.StringIO()
+    with redirect_stdout(stdout):
+        code = cli.main(["quantize", starter_path, "--sparsity", "0.5", "-o", str(out), "--no-eval", "--json"])
+    assert code == 0
+    return out, json.loads(stdout.getvalue())
+
+
 @pytest.fixture
 def make_gguf(tmp_path: Path) -> Callable[..., Path]:
     """Write a tiny GGUF with the given architecture name (shape keys and a toy vocab)."""

@@ -13,15 +13,26 @@ Examples:
     llmlocal quantize Qwen/Qwen2.5-0.5B-Instruct --type q8_0 -o qwen-q8.gguf
     llmlocal quantize model-F16.gguf --type q5_k_m --eval my-notes.txt
     llmlocal quantize model-Q8_0.gguf --type q4_k_m --allow-requantize --no-eval
+    llmlocal quantize ~/models/Llama-3.2-1B-Instruct --type q4_0 --sparsity 0.4
+    llmlocal quantize model-Q4_0.gguf --sparsity 0.4 -o model-sparse.gguf   # calibrate only
+
+With --sparsity S, the output is run on calibration text (half of the built-in text, or
+--calib FILE) and per-layer thresholds that zero a fraction S of each projection's input
+activations are stored in it (llmlocal.sparsity.* keys), for llmlocal's sparse CPU engine;
+llama.cpp ignores them. The report then adds the sparse model against the dense one on the
+other half of the text (saved as OUT.gguf.sparsity.json). A 4-bit GGUF given without --type
+keeps its tensors byte for byte: only the thresholds are added.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
+from llmlocal.models.spec import DEFAULT_SPARSITY
 from llmlocal.quant.formats import DEFAULT_FORMAT, FORMATS
 
 
@@ -44,8 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src", metavar="SRC", help="checkpoint directory, Hugging Face repo id (from the local cache) or .gguf file")
     p.add_argument("-o", "--output", metavar="OUT", default=None,
                    help="output .gguf file or directory (default: ./<name>-<TYPE>.gguf)")
-    p.add_argument("--type", default=DEFAULT_FORMAT, type=str.lower, choices=list(FORMATS), metavar="TYPE",
-                   help=f"output type (default: {DEFAULT_FORMAT}; see the list below)")
+    p.add_argument("--type", default=None, type=str.lower, choices=list(FORMATS), metavar="TYPE",
+                   help=f"output type (default: {DEFAULT_FORMAT}, or with --sparsity on a 4-bit GGUF its own "
+                        "tensors; see the list below)")
     g = p.add_argument_group("quality report")
     g.add_argument("--eval", metavar="TEXTFILE", default=None,
                    help="evaluate on this UTF-8 text instead of the built-in text")
@@ -53,6 +65,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--eval-ctx", type=int, default=512, metavar="N", help="tokens per evaluation window (default: 512)")
     g.add_argument("--eval-tokens", type=int, default=None, metavar="N",
                    help="evaluate at most N tokens of the text (default: all)")
+    sp = p.add_argument_group("activation sparsity")
+    sp.add_argument("--sparsity", type=float, nargs="?", const=DEFAULT_SPARSITY, default=None, metavar="S",
+                   help="calibrate thresholds that zero a fraction S of each projection's inputs and store them "
+                        f"in the GGUF (S defaults to {DEFAULT_SPARSITY}; the output type must be 4-bit)")
+    sp.add_argument("--calib", metavar="TEXTFILE", default=None,
+                   help="calibrate on this UTF-8 text (default: half of the built-in text; the other half evaluates)")
     p.add_argument("--allow-requantize", action="store_true",
                    help="accept an already-quantized GGUF as SRC (its rounding error compounds)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all cores)")
@@ -73,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         eval_tokens=args.eval_tokens,
         allow_requantize=args.allow_requantize,
         threads=args.threads,
+        sparsity=args.sparsity,
+        calib_text=args.calib,
     )
     result = quantize(job, stream=sys.stderr)
     if args.json:
@@ -83,16 +103,28 @@ def run(args: argparse.Namespace) -> int:
         f"Wrote {result.output}: {result.type}, {result.output_bytes / 1e6:,.1f} MB, "
         f"{result.bits_per_weight:.2f} bits per weight, in {result.seconds:.1f} s (tensors: {types})."
     )
+    if result.sparsity is not None:
+        sp = result.sparsity
+        print(
+            f"Stored activation thresholds for {sp.level:.0%} sparsity ({len(sp.thresholds)} projections x "
+            f"{len(next(iter(sp.thresholds.values())))} layers), calibrated on {sp.calibration_tokens:,} tokens "
+            f"of {sp.calibration_text}."
+        )
     if result.quality is not None:
         print(result.quality.table())
         print(f"Saved the report to {result.quality_path}.")
+    if result.sparsity_quality is not None:
+        print(result.sparsity_quality.table())
+        print(f"Saved the sparsity report to {result.sparsity_path}.")
     sys.stdout.flush()
     return 0
 
 
 def _result_dict(result: Any) -> dict[str, Any]:
-    out = {k: v for k, v in result.__dict__.items() if k != "quality"}
+    out = {k: v for k, v in result.__dict__.items() if k not in ("quality", "sparsity", "sparsity_quality")}
     out["warnings"] = list(result.warnings)
     out["bits_per_weight"] = round(result.bits_per_weight, 3)
     out["quality"] = result.quality.to_dict() if result.quality is not None else None
+    out["sparsity"] = dataclasses.asdict(result.sparsity) if result.sparsity is not None else None
+    out["sparsity_quality"] = result.sparsity_quality.to_dict() if result.sparsity_quality is not None else None
     return out

@@ -68,6 +68,15 @@ def cpu_model_params() -> dict[str, Any]:
     return {"use_extra_bufts": False} if " amx_tile" in flags else {}
 
 
+def open_llama(**kwargs: Any) -> Any:
+    """`llama_cpp.Llama(**kwargs)` with the model parameters this CPU needs (`cpu_model_params`);
+    every full model llmlocal or its tests load through llama.cpp is opened here."""
+    import llama_cpp
+
+    with llama_model_params(**cpu_model_params()):
+        return llama_cpp.Llama(**kwargs)
+
+
 # KV cache element types llama.cpp is given (ggml type ids); the memory planner counts them.
 GGML_KV_TYPES = {"f16": 1, "q8_0": 8}
 
@@ -98,20 +107,19 @@ class LlamaCppBackend:
         if kv not in GGML_KV_TYPES:
             raise LLMLocalError(f"The llamacpp backend keeps its KV cache in f16 or q8_0, not {kv}: pass --kv-dtype f16 or q8_0.")
         try:
-            with llama_model_params(**cpu_model_params()):
-                llm = llama_cpp.Llama(
-                    model_path=model.path,
-                    n_ctx=n_ctx,
-                    n_batch=min(plan.n_batch, n_ctx),
-                    n_ubatch=min(plan.n_batch, n_ctx),
-                    n_threads=threads,
-                    n_threads_batch=threads,
-                    n_gpu_layers=gpu_layers,
-                    type_k=GGML_KV_TYPES[kv],
-                    type_v=GGML_KV_TYPES[kv],
-                    flash_attn=llamacpp_flash_attn(kv),
-                    verbose=False,
-                )
+            llm = open_llama(
+                model_path=model.path,
+                n_ctx=n_ctx,
+                n_batch=min(plan.n_batch, n_ctx),
+                n_ubatch=min(plan.n_batch, n_ctx),
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_gpu_layers=gpu_layers,
+                type_k=GGML_KV_TYPES[kv],
+                type_v=GGML_KV_TYPES[kv],
+                flash_attn=llamacpp_flash_attn(kv),
+                verbose=False,
+            )
         except (ValueError, RuntimeError) as e:
             raise ModelFormatError(
                 f"llama.cpp could not load {model.path} (architecture '{model.spec.architecture}'): "

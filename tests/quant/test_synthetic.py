@@ -14,9 +14,9 @@ def test_random_gguf_has_the_shape_and_runs_in_llamacpp(tmp_path):
         s.layers, s.dim, s.heads, s.kv_heads, s.vocab)
     assert spec.tensor_types.get("Q4_0", 0) > 0
 
-    from llama_cpp import Llama
+    from llmlocal.engine.backends.llamacpp import open_llama
 
-    llm = Llama(model_path=str(path), n_ctx=64, verbose=False)
+    llm = open_llama(model_path=str(path), n_ctx=64, verbose=False)
     out = llm.create_completion("Hello", max_tokens=4, temperature=0.0)
     assert out["usage"]["completion_tokens"] == 4
     llm.close()
