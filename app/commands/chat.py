@@ -1,20 +1,34 @@
-"""`llmlocal chat`: a streaming chat in the terminal.
+"""`llmlocal chat`: a streaming chat in the terminal, with saved conversations.
 
 Examples:
 
-    llmlocal chat
+    llmlocal chat                                   # reopen the most recent chat
+    llmlocal chat "Explain the KV cache in two lines."   # a new chat that starts with this message
     llmlocal chat --system "You are a concise assistant." --temperature 0.3
     llmlocal chat --model ~/models/qwen2.5-1.5b-instruct-q4_k_m.gguf --ctx 4096
 
-Keys: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops a reply,
-Ctrl+N starts a new chat, Ctrl+Q quits.
+Chats are saved in $LLMLOCAL_DATA_DIR/chats.db (default: $XDG_DATA_HOME/llmlocal, or
+~/.local/share/llmlocal). --system and the sampling options set the defaults of new chats;
+a saved chat keeps its own (F3 changes them).
+
+Keys: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops a reply, Ctrl+N new
+chat, Ctrl+R regenerate, F2 model, F3 chat settings, F1 or ? all keys, Ctrl+Q quits.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from ..options import add_model_options, add_sampling_options, plan_from_args, sampling_from_args
+from ..options import (
+    add_model_options,
+    add_sampling_options,
+    plan_from_args,
+    sampling_from_args,
+)
+
+if TYPE_CHECKING:
+    from llmlocal.engine import Plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("message", nargs="?", default=None,
+                   help="start a new chat with this message (default: reopen the most recent chat)")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=run)
@@ -32,9 +48,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from llmlocal.models import resolve
 
+    from ..history import ChatStore
     from ..tui import ChatApp
 
     plan = plan_from_args(args)
-    resolve(plan.model)  # a missing or broken model is reported here, before the screen opens
-    ChatApp(plan, sampling_from_args(args), system=args.system).run()
+    if plan.endpoint is None:
+        resolve(plan.model)  # a missing or broken model is reported here, before the screen opens
+    store = ChatStore.open()  # an unreadable database too
+
+    def plan_for(name: str) -> Plan:
+        # A model picked in the chat is planned like one named on the command line, with the
+        # same flags pinned (the picker runs this in a worker: the planner reads the file).
+        return plan_from_args(argparse.Namespace(**{**vars(args), "model": name}))
+
+    app = ChatApp(
+        plan, sampling_from_args(args), system=args.system, store=store, first_message=args.message, plan_for=plan_for
+    )
+    try:
+        app.run()
+    finally:
+        store.close()
     return 0

@@ -1,4 +1,5 @@
-"""The chat TUI (Textual). Widgets render and post messages; workers call the engine."""
+"""The chat TUI (Textual). Widgets render and post messages; the app reads and writes the
+conversation store; thread workers call the engine."""
 
 from .chat_app import ChatApp
 

@@ -1,63 +1,64 @@
 """`ChatApp`: the `llmlocal chat` screen.
 
-Threads: the engine is loaded and called in thread workers (llama.cpp blocks); workers post
-typed messages back to the app, which updates the widgets. Every reply carries the id of
-its request, so events of a reply that was stopped or replaced are ignored (no stale text).
+Sidebar of chats | the conversation and the message box | the live engine panel; a footer
+of keys. The app is the one place that reads and writes the store (`ChatStore`) and starts
+engine work; widgets render and post messages. The engine is loaded and called in thread
+workers (llama.cpp blocks), which post typed messages back (`worker_messages`). Replies, and
+everything done with them, live in `ReplyActions`; the model in `ModelActions`; this file
+holds the layout, the chats and their settings.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
 
+from llmlocal.models.errors import LLMLocalError
 from textual import on, work
 from textual.app import App, ComposeResult
-from textual.binding import Binding
-from textual.containers import VerticalScroll
-from textual.message import Message
-from textual.widgets import Footer, Markdown
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Input, Static
 
-from .widgets import AssistantMessage, Notice, PromptInput, StatusBar, UserMessage
+from ..history import Chat, ChatStore, StoredMessage
+from .chat_list import ChatItems, ChatList
+from .conversation import ConversationView, MessageView
+from .dialogs import ConfirmScreen, TextPromptScreen
+from .engine_panel import WARN_AT, EnginePanel
+from .help_screen import HelpScreen, Section, rows_of
+from .model_actions import ModelActions
+from .prompt_input import PromptInput
+from .reply_actions import ReplyActions, ReplyState
+from .settings import ChatSettings
+from .settings_screen import ChatSettingsScreen
+from .thread_count import ThreadCount
+from .worker_messages import (
+    ContextCounted,
+    EngineLoaded,
+)
 
 if TYPE_CHECKING:
-    from llmlocal.engine import DoneEvent, Engine, Plan, SamplingParams
+    from llmlocal.engine import Engine, Plan, SamplingParams
 
 
-class EngineReady(Message):
-    def __init__(self, engine: Engine) -> None:
-        super().__init__()
-        self.engine = engine
-
-
-@dataclass
-class EngineFailed(Message):
-    error: str
-
-
-@dataclass
-class ReplyChunk(Message):
-    request_id: str
-    text: str
-
-
-@dataclass
-class ReplyDone(Message):
-    request_id: str
-    done: DoneEvent
-
-
-@dataclass
-class ReplyFailed(Message):
-    request_id: str
-    error: str
-
-
-class ChatApp(App[None]):
+class ChatApp(ReplyActions, ModelActions, App[None]):
     TITLE = "llmlocal chat"
     CSS_PATH = "chat.tcss"
-    BINDINGS = [
-        Binding("escape", "stop", "Stop reply", priority=True),
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "stop", "Stop", priority=True, tooltip="Stop the reply (its text is kept), or stop editing"),
         Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+r", "regenerate", "Regenerate", tooltip="Write the last reply again (the old one stays as a branch)"),
+        Binding("f2", "pick_model", "Model", tooltip="Pick or switch the model"),
+        Binding("f3", "settings", "Settings", tooltip="System prompt and sampling parameters of this chat"),
+        Binding("ctrl+f", "search", "Search", tooltip="Search chats by title and content"),
+        Binding("f4", "rename_chat", "Rename chat", show=False),
+        Binding("f8", "delete_chat", "Delete chat", show=False, tooltip="Delete this chat (asks first)"),
+        Binding("ctrl+up", "focus_message(-1)", "Previous message", show=False),
+        Binding("ctrl+down", "focus_message(1)", "Next message", show=False),
+        Binding("ctrl+l", "focus_prompt", "Message box", show=False, tooltip="Back to the message box"),
+        Binding("f1,question_mark", "help", "Help"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -67,176 +68,290 @@ class ChatApp(App[None]):
         sampling: SamplingParams | None = None,
         system: str | None = None,
         engine: Engine | None = None,
+        store: ChatStore | None = None,
+        first_message: str | None = None,
+        plan_for: Callable[[str], Plan] | None = None,
     ) -> None:
+        """``plan`` loads the first model (unless ``engine`` is given); ``plan_for(name)`` is
+        the plan of a model picked later (the CLI runs the planner there; by default, ``plan``
+        with the model replaced). Without ``store``, the chats are in the user's data dir."""
         super().__init__()
         from llmlocal.engine import SamplingParams
 
-        self.plan = plan
-        self.sampling = sampling or SamplingParams()
-        self.system = system
+        self.base_plan = plan
+        self.plan_for = plan_for or (lambda name: plan.replace(model=name))
+        self.defaults = ChatSettings(system or None, sampling or SamplingParams())
         self.engine: Engine | None = engine
-        self._owns_engine = engine is None
-        self.history: list[dict[str, str]] = []  # the conversation sent to the model
-        self.request_id: str | None = None  # the reply being streamed, if any
-        self._reply: AssistantMessage | None = None
-        self._stream: Any = None  # MarkdownStream of the current reply
-        self._last_stats: str = ""
+        self.owned: list[Engine] = []  # engines this app loaded, and so closes
+        self.retired: list[Engine] = []  # replaced engines, closed once no request uses them
+        self.loading: str | None = None  # name of the model being loaded
+        self.store = store if store is not None else ChatStore.open()
+        self._owns_store = store is None
+        self.chat: Chat | None = None  # None: a new chat, stored when its first message is sent
+        self.settings = self.defaults
+        self.messages: list[StoredMessage] = []  # the shown branch, root first
+        self.branches: dict[int, tuple[int, int]] = {}
+        self.editing: StoredMessage | None = None  # the user message being rewritten
+        self.reply: ReplyState | None = None  # the request in flight (a reply or a summary)
+        self.first_message = first_message
+        self.warned: set[int | None] = set()  # chats already warned about a nearly full context
+        self.threads = ThreadCount()
+        self.closing = False
 
-    # ---- layout --------------------------------------------------------------------------
+    # ---- layout and lifecycle ------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield VerticalScroll(id="messages")
-        yield PromptInput(id="prompt", soft_wrap=True, show_line_numbers=False)
-        yield StatusBar(id="status")
+        with Horizontal(id="main"):
+            yield ChatList(id="sidebar")
+            with Vertical(id="center"):
+                yield ConversationView(id="messages")
+                yield Static("", id="edit-banner", markup=False)
+                yield PromptInput(id="prompt", soft_wrap=True, show_line_numbers=False)
+            yield EnginePanel(id="engine")
         yield Footer()
 
-    def on_mount(self) -> None:
-        self.query_one("#messages", VerticalScroll).anchor()
-        self.query_one(PromptInput).focus()
-        if self.engine is None:
-            self._status("loading model…")
-            self._load_engine()
+    @property
+    def conversation(self) -> ConversationView:
+        return self.query_one(ConversationView)
+
+    @property
+    def panel(self) -> EnginePanel:
+        return self.query_one(EnginePanel)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    async def on_mount(self) -> None:
+        self.query_one("#edit-banner").display = False
+        chats = self.store.list_chats()
+        if chats and self.first_message is None:
+            await self.open_chat(chats[0].id)
         else:
-            self._status()
+            await self.new_chat()
+        self.prompt.focus()
+        if self.engine is None:
+            self.load_model(None)
+        else:
+            await self.on_engine_loaded(EngineLoaded(self.engine))
 
     async def on_unmount(self) -> None:
-        if self.engine is not None:
-            self.engine.cancel()
-            if self._owns_engine:
-                self.engine.close()
+        self.closing = True
+        if self.reply is not None:
+            self.stop_reply()  # the reply ends within a token and is stored as stopped
+        await asyncio.to_thread(self.threads.wait_idle, 120.0)
+        for engine in self.owned:
+            engine.close()
+        if self._owns_store:
+            self.store.close()
 
-    # ---- engine work (threads) -----------------------------------------------------------
-    @work(thread=True, exclusive=True, group="load")
-    def _load_engine(self) -> None:
-        from llmlocal.engine import Engine
-        from llmlocal.models.errors import LLMLocalError
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":  # Esc: only when there is something to stop, and no dialog is open
+            return self.screen is self.screen_stack[0] and (self.reply is not None or self.editing is not None)
+        return True
 
+    # ---- chats ---------------------------------------------------------------------------
+    async def refresh_sidebar(self) -> None:
+        sidebar = self.query_one(ChatList)
+        await sidebar.show(self.store.list_chats(sidebar.query_text), self.chat.id if self.chat else None)
+
+    async def open_chat(self, chat_id: int) -> None:
+        await self.leave_reply()
+        self.stop_editing()
+        self.chat = self.store.get_chat(chat_id)
         try:
-            engine = Engine.load(self.plan)
+            self.settings = ChatSettings.from_chat(self.chat, self.defaults)
         except LLMLocalError as e:
-            self.post_message(EngineFailed(str(e)))
+            self.settings = self.defaults
+            self.notify(f"This chat's stored settings are invalid ({e}); using the defaults.", severity="warning")
+        await self.show_branch()
+        await self.refresh_sidebar()
+        model = self.engine.model.name if self.engine else None
+        if self.chat.model and model and self.chat.model != model:
+            await self.conversation.notice(
+                f"This chat last used {self.chat.model}; replies now come from {model} (F2 switches the model)."
+            )
+
+    async def new_chat(self) -> None:
+        await self.leave_reply()
+        self.stop_editing()
+        self.chat = None
+        self.settings = self.defaults
+        await self.show_branch()
+        await self.refresh_sidebar()
+
+    async def show_branch(self, focus_depth: int | None = None) -> None:
+        """Show the current chat's branch from the store, and the figures of its last reply."""
+        if self.chat is None:
+            self.messages, self.branches = [], {}
+        else:
+            conv = self.store.conversation(self.chat.id)
+            self.chat, self.messages, self.branches = conv.chat, conv.messages, conv.branches
+        await self.conversation.show(self.messages, self.branches)
+        state = self.panel.state
+        state.clear_reply()
+        last = next((m for m in reversed(self.messages) if m.role == "assistant" and m.stats), None)
+        if last is not None and last.stats:
+            state.take_stats(last.stats)
+        state.context_tokens = None
+        self.panel.render_state()
+        self.count_context()
+        if focus_depth is not None:
+            views = self.conversation.views()
+            if views:
+                views[min(focus_depth, len(views) - 1)].focus()
+
+    @on(ChatList.Opened)
+    async def _opened(self, event: ChatList.Opened) -> None:
+        if self.chat is None or event.chat_id != self.chat.id:
+            await self.open_chat(event.chat_id)
+        self.prompt.focus()
+
+    @on(ChatList.SearchChanged)
+    async def _searched(self, event: ChatList.SearchChanged) -> None:
+        await self.refresh_sidebar()
+
+    @on(ChatList.RenameRequested)
+    def _rename_requested(self, event: ChatList.RenameRequested) -> None:
+        self.rename(event.chat_id)
+
+    @on(ChatList.DeleteRequested)
+    def _delete_requested(self, event: ChatList.DeleteRequested) -> None:
+        self.delete(event.chat_id)
+
+    def rename(self, chat_id: int) -> None:
+        async def done(title: str | None) -> None:
+            if title:
+                renamed = self.store.rename_chat(chat_id, title)
+                if self.chat is not None and self.chat.id == chat_id:
+                    self.chat = renamed
+                await self.refresh_sidebar()
+
+        self.push_screen(TextPromptScreen("Rename chat", self.store.get_chat(chat_id).display_title), done)
+
+    def delete(self, chat_id: int) -> None:
+        if self.reply is not None and self.reply.chat_id == chat_id:
+            self.notify("A reply is being written in this chat: press Esc to stop it first.", severity="warning")
             return
-        self.post_message(EngineReady(engine))
+        chat = self.store.get_chat(chat_id)
+        question = (
+            f"Delete “{chat.display_title}” and its {self.store.message_count(chat_id)} messages? "
+            "This cannot be undone."
+        )
 
-    @work(thread=True, group="generate")
-    def _generate(self, request: Any) -> None:
-        from llmlocal.engine import DoneEvent
-        from llmlocal.models.errors import LLMLocalError
+        async def done(yes: bool | None) -> None:
+            if not yes:
+                return
+            self.store.delete_chat(chat_id)
+            if self.chat is not None and self.chat.id == chat_id:
+                rest = self.store.list_chats()
+                await (self.open_chat(rest[0].id) if rest else self.new_chat())
+            else:
+                await self.refresh_sidebar()
+            self.notify(f"Deleted “{chat.display_title}”.")
 
-        assert self.engine is not None
-        try:
-            for event in self.engine.generate(request):
-                if isinstance(event, DoneEvent):
-                    self.post_message(ReplyDone(request.id, event))
-                elif event.text:
-                    self.post_message(ReplyChunk(request.id, event.text))
-        except LLMLocalError as e:
-            self.post_message(ReplyFailed(request.id, str(e)))
-
-    # ---- messages from workers -----------------------------------------------------------
-    def on_engine_ready(self, message: EngineReady) -> None:
-        self.engine = message.engine
-        self._status()
-
-    def on_engine_failed(self, message: EngineFailed) -> None:
-        self._status("model failed to load")
-        self._notice(message.error)
-
-    async def on_reply_chunk(self, message: ReplyChunk) -> None:
-        if message.request_id != self.request_id or self._reply is None:
-            return  # a reply that was stopped or replaced
-        self._reply.text += message.text
-        self._reply.chunks += 1
-        await self._stream.write(message.text)
-
-    async def on_reply_done(self, message: ReplyDone) -> None:
-        if message.request_id != self.request_id or self._reply is None:
-            return
-        done = message.done
-        reply = self._reply
-        await self._finish_stream()
-        reply.finish_reason = done.finish_reason
-        self.history.append({"role": "assistant", "content": done.text})
-        if done.finish_reason == "cancelled":
-            self._notice("Reply stopped.")
-        elif done.finish_reason == "context":
-            self._notice("The context window is full: start a new chat (Ctrl+N) to continue.")
-        s = done.stats
-        parts = []
-        if s.ttft_s is not None:
-            parts.append(f"TTFT {s.ttft_s * 1000:.0f} ms")
-        if s.decode_tok_s is not None:
-            parts.append(f"{s.decode_tok_s:.1f} tok/s")
-        parts.append(f"ctx {s.prompt_tokens + s.completion_tokens}/{s.n_ctx or self.engine.n_ctx}")  # type: ignore[union-attr]
-        self._last_stats = "  ·  ".join(parts)
-        self._status()
-
-    async def on_reply_failed(self, message: ReplyFailed) -> None:
-        if message.request_id != self.request_id:
-            return
-        await self._finish_stream()
-        if self._reply is not None:
-            await self._reply.remove()
-            self._reply = None
-        # The message was not answered: take it out of the conversation and give it back to
-        # the input box, so nothing the user wrote is lost.
-        if self.history and self.history[-1]["role"] == "user":
-            unsent = self.history.pop()["content"]
-            prompt = self.query_one(PromptInput)
-            if not prompt.text:
-                prompt.text = unsent
-        self._notice(message.error)
-        self._status()
-
-    # ---- user actions --------------------------------------------------------------------
-    @on(PromptInput.Submitted)
-    async def send(self, message: PromptInput.Submitted) -> None:
-        from llmlocal.engine import Request
-
-        if self.engine is None:
-            self.notify("The model is still loading.", severity="warning")
-            return
-        if self.request_id is not None:
-            self.notify("A reply is streaming: press Esc to stop it first.", severity="warning")
-            return
-        self.query_one(PromptInput).clear()
-        self.history.append({"role": "user", "content": message.text})
-        messages = self.query_one("#messages", VerticalScroll)
-        await messages.mount(UserMessage(message.text))
-        self._reply = AssistantMessage()
-        await messages.mount(self._reply)
-        self._stream = Markdown.get_stream(self._reply)
-        system = [{"role": "system", "content": self.system}] if self.system else []
-        request = Request.chat(system + self.history, self.sampling)
-        self.request_id = request.id
-        self._status("generating…")
-        self._generate(request)
-
-    def action_stop(self) -> None:
-        if self.engine is not None and self.request_id is not None:
-            self.engine.cancel(self.request_id)
+        self.push_screen(ConfirmScreen(question), done)
 
     async def action_new_chat(self) -> None:
-        self.action_stop()
-        await self._finish_stream()
-        self.history.clear()
-        await self.query_one("#messages", VerticalScroll).remove_children()
-        self._last_stats = ""
-        self._status()
+        await self.new_chat()
+        self.prompt.focus()
 
-    # ---- helpers -------------------------------------------------------------------------
-    async def _finish_stream(self) -> None:
-        if self._stream is not None:
-            await self._stream.stop()
-        self._stream = None
-        self._reply = None
-        self.request_id = None
-
-    def _notice(self, text: str) -> None:
-        self.query_one("#messages", VerticalScroll).mount(Notice(text))
-
-    def _status(self, state: str = "") -> None:
-        if self.engine is not None:
-            head = [self.engine.model.name, f"{self.engine.backend_name} on {self.engine.device}"]
+    def action_rename_chat(self) -> None:
+        if self.chat is None:
+            self.notify("This chat is not saved yet: send a message first.", severity="warning")
         else:
-            head = [self.plan.model or "smollm2-135m"]
-        self.query_one(StatusBar).show(*head, state or self._last_stats)
+            self.rename(self.chat.id)
+
+    def action_delete_chat(self) -> None:
+        if self.chat is not None:
+            self.delete(self.chat.id)
+
+    def action_search(self) -> None:
+        self.query_one("#chat-search", Input).focus()
+
+    def action_focus_prompt(self) -> None:
+        self.prompt.focus()
+
+    def action_focus_message(self, step: int) -> None:
+        views = self.conversation.views()
+        if not views:
+            return
+        focused = self.focused
+        index = views.index(focused) + step if isinstance(focused, MessageView) else (len(views) - 1 if step < 0 else 0)
+        if 0 <= index < len(views):
+            views[index].focus()
+            views[index].scroll_visible()
+        elif index >= len(views):
+            self.prompt.focus()
+
+    # ---- settings and help ---------------------------------------------------------------
+    def action_settings(self) -> None:
+        title = self.chat.display_title if self.chat else "New chat"
+
+        async def done(settings: ChatSettings | None) -> None:
+            if settings is None:
+                return
+            self.settings = settings
+            if self.chat is not None:
+                self.chat = self.store.update_chat(
+                    self.chat.id,
+                    system_prompt=settings.system_prompt,
+                    clear_system_prompt=settings.system_prompt is None,
+                    sampling=settings.sampling_dict(),
+                )
+            self.notify("Chat settings saved.")
+            self.count_context()
+
+        self.push_screen(ChatSettingsScreen(self.settings, title), done)
+
+    def help_sections(self) -> list[Section]:
+        return [
+            ("Chat", rows_of(self.BINDINGS)),
+            ("Message box", [("Enter", "Send"), ("Shift+Enter Ctrl+J", "New line")]),
+            ("A message (Ctrl+↑ / Ctrl+↓ or a click to select it)", rows_of(MessageView.BINDINGS)),
+            ("Chat list", [("Enter", "Open"), *rows_of(ChatItems.BINDINGS)]),
+        ]
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.help_sections()))
+
+    # ---- context -------------------------------------------------------------------------
+    def count_context(self) -> None:
+        """Count the shown conversation's prompt tokens (in a worker: it tokenizes)."""
+        if self.engine is None:
+            return
+        history = self.settings.system_messages() + [{"role": m.role, "content": m.content} for m in self.messages]
+        leaf = self.messages[-1].id if self.messages else None
+        self._count_worker(self.engine, self.chat.id if self.chat else None, leaf, history)
+
+    @work(thread=True, group="count", exclusive=True)
+    def _count_worker(self, engine: Engine, chat_id: int | None, leaf: int | None, history: list[dict[str, str]]) -> None:
+        try:
+            with self.threads.running():
+                tokens = engine.count_tokens(history) if history and not self.closing else 0
+        except LLMLocalError:
+            return  # the template refused the conversation: sending will say why
+        self.post_message(ContextCounted(chat_id, leaf, tokens))
+
+    def on_context_counted(self, message: ContextCounted) -> None:
+        leaf = self.messages[-1].id if self.messages else None
+        current = self.chat.id if self.chat else None
+        if self.reply is not None or (message.chat_id, message.leaf_id) != (current, leaf):
+            return  # stale: the conversation changed since
+        self.panel.state.context_tokens = message.tokens
+        self.panel.render_state()
+        self.warn_if_nearly_full()
+
+    def warn_if_nearly_full(self) -> None:
+        share = self.panel.state.context_share
+        key = self.chat.id if self.chat else None
+        if share is None or share < WARN_AT or key in self.warned:
+            return
+        self.warned.add(key)
+        state = self.panel.state
+        self.notify(
+            f"This chat fills {share:.0%} of the context window ({state.context_tokens}/{state.n_ctx} tokens): "
+            "the next message may not fit. You will be asked what to do; nothing is dropped silently.",
+            severity="warning",
+            timeout=8,
+        )
