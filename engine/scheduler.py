@@ -142,7 +142,7 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} is already scheduled")
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id} is not a new waiting sequence")
-        self._check_fits(seq)
+        self.check_fits(seq)
         seq.arrival = next(self._arrivals)
         self.waiting.append(seq)  # the newest arrival sorts last
         self._seqs[seq.seq_id] = seq
@@ -183,7 +183,9 @@ class Scheduler:
         limit = pool if seq.max_tokens is None else seq.num_prompt_tokens + seq.max_tokens
         return limit if self.max_model_len is None else min(limit, self.max_model_len)
 
-    def _check_fits(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise `RequestTooLargeError` if ``seq`` can never fit the pool (reads only the
+        pool's fixed sizes: safe from any thread)."""
         bm = self.block_manager
         prompt = seq.num_prompt_tokens
         if self.max_model_len is not None and prompt >= self.max_model_len:
@@ -355,7 +357,7 @@ class Scheduler:
             raise ValueError(f"sequence {child.seq_id} is already scheduled")
         if child.num_tokens <= parent.num_computed_tokens:
             raise ValueError(f"sequence {child.seq_id} has no token to compute after the shared prefix")
-        self._check_fits(child)
+        self.check_fits(child)
         self.block_manager.fork(parent, child)
         child.arrival = next(self._arrivals)
         child.status = SequenceStatus.RUNNING

@@ -1,10 +1,13 @@
 """Backend `paged`: llmlocal's own PyTorch engine — block KV cache with prefix caching,
 paged attention and continuous batching (the CUDA path; it runs on CPU too).
 
-Threads: every `generate` call registers a sequence with the scheduler and then reads its
-own event queue. One engine thread runs steps while any sequence is unfinished: schedule ->
-run the model on the step's tokens -> sample -> push each sequence's new text to its queue.
-All scheduler, block-manager and sequence state is touched only under `_lock`.
+Threads: every `generate` call puts a sequence in the inbox and then reads its own event
+queue. One engine thread admits the inbox to the scheduler before each step and runs steps
+while any sequence is unfinished: schedule -> run the model on the step's tokens -> sample ->
+push each sequence's new text to its queue. All scheduler, block-manager and sequence state
+is touched only under `_lock`, which the engine thread holds for a whole step; requests
+arrive through the inbox and wake it with an event, never waiting for that lock (a Python
+lock is not fair: a caller could wait many steps while the engine thread re-takes it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from llmlocal.models.errors import LLMLocalError
 from ..block_manager import BlockManager
 from ..detokenize import TextStream
 from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter, Proposal
+from ..model.llama import LlamaModel
 from ..model.loader import load_gguf, load_hf
 from ..model_runner import ModelRunner, StepItem
 from ..plan import Plan
@@ -57,6 +61,7 @@ class _Stream:
     drafted: int = 0  # draft tokens verified, and how many of them the target kept
     accepted: int = 0
     target_steps: int = 0  # steps that produced tokens for this sample
+    start_mark: object = None  # a subclass's counters when the request started (`_extra_stats`)
 
 
 class _EngineFailure:
@@ -112,8 +117,9 @@ class PagedBackend:
         )
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
         self._live: dict[int, Sequence] = {}
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._wake = threading.Event()  # set on a new request, a cancellation or close
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="llmlocal-paged", daemon=True)
         self._thread.start()
@@ -129,12 +135,8 @@ class PagedBackend:
         n_ctx = plan.n_ctx or spec.context_length
         if device.type == "cpu" and plan.threads:
             torch.set_num_threads(plan.threads)
-        if spec.format == "gguf":
-            net = load_gguf(spec, device, dtype, plan.weights, max_position=n_ctx)
-            tokenizer: Tokenizer = LlamaCppTokenizer(model.path)
-        else:
-            net = load_hf(model.path, device, dtype, plan.weights, max_position=n_ctx)
-            tokenizer = HFTokenizer(model.path)
+        net = cls._load_net(model, plan, device, dtype, n_ctx)
+        tokenizer: Tokenizer = LlamaCppTokenizer(model.path) if spec.format == "gguf" else HFTokenizer(model.path)
         block_size = plan.block_size
         # Default pool: every batch slot can hold a full context window... capped at 4 windows
         # (the planner will size this from free memory).
@@ -154,10 +156,20 @@ class PagedBackend:
             drafter = DraftModel(ModelRunner(draft_net, num_blocks, block_size, kv_dtype=dtype))
         return cls(runner, tokenizer, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)
 
+    @classmethod
+    def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
+        """The target model's network (a subclass may build its layers differently)."""
+        if model.spec.format == "gguf":
+            return load_gguf(model.spec, device, dtype, plan.weights, max_position=n_ctx)
+        return load_hf(model.path, device, dtype, plan.weights, max_position=n_ctx)
+
+    def _extra_stats(self, stream: _Stream) -> dict[str, object]:
+        """`Stats` fields a subclass reports for a finished request (none here)."""
+        return {}
+
     def close(self) -> None:
-        with self._work:
-            self._closed = True
-            self._work.notify_all()
+        self._closed = True
+        self._wake.set()
         self._thread.join(timeout=10)
         self.tokenizer.close()
 
@@ -175,13 +187,12 @@ class PagedBackend:
         streams = [self._new_stream(request, cancel, events, i) for i in range(p.n)]
         streams[0].siblings = streams[1:]
         seq = Sequence(next(self._ids), prompt_ids, max_tokens=p.max_tokens, extra=streams[0])
-        with self._work:
-            try:
-                self.scheduler.add(seq)
-            except RequestTooLargeError as e:
-                raise LLMLocalError(str(e).replace("give the KV cache more memory", "pass a larger --kv-blocks")) from None
-            self._live[seq.seq_id] = seq
-            self._work.notify_all()
+        try:
+            self.scheduler.check_fits(seq)
+        except RequestTooLargeError as e:
+            raise LLMLocalError(str(e).replace("give the KV cache more memory", "pass a larger --kv-blocks")) from None
+        self._inbox.put(seq)
+        self._wake.set()
         remaining = p.n
         try:
             while remaining:
@@ -194,8 +205,7 @@ class PagedBackend:
         finally:
             if remaining:  # the consumer stopped reading: stop the request's sequences
                 cancel.set()
-                with self._work:
-                    self._work.notify_all()
+                self._wake.set()
 
     def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> _Stream:
         p = request.sampling
@@ -213,22 +223,34 @@ class PagedBackend:
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self._work:
-                while not self._closed and not self._live:
-                    self._work.wait()
+            self._wake.clear()  # before looking: a request put after this sets it again
+            with self._lock:
+                self._admit()
                 if self._closed:
                     for seq in list(self._live.values()):
                         self.scheduler.abort(seq.seq_id)
                         self._finish(seq, "cancelled")
                     return
-                try:
-                    self._step()
-                except BaseException as e:  # a bug: tell every waiting consumer, keep serving
-                    for seq in list(self._live.values()):
-                        self.scheduler.abort(seq.seq_id)
-                        stream: _Stream = seq.extra  # type: ignore[assignment]
-                        stream.events.put(_EngineFailure(e))
-                    self._live.clear()
+                if self._live:
+                    try:
+                        self._step()
+                    except BaseException as e:  # a bug: tell every waiting consumer, keep serving
+                        for seq in list(self._live.values()):
+                            self.scheduler.abort(seq.seq_id)
+                            stream: _Stream = seq.extra  # type: ignore[assignment]
+                            stream.events.put(_EngineFailure(e))
+                        self._live.clear()
+                    continue
+            self._wake.wait()
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.scheduler.add(seq)  # fits: `generate` checked
+            self._live[seq.seq_id] = seq
 
     def _step(self) -> None:
         for seq in list(self._live.values()):
@@ -408,6 +430,7 @@ class PagedBackend:
             kv_blocks_used=stream.kv_blocks_used,
             kv_blocks_total=self.blocks.num_blocks,
             **spec,
+            **self._extra_stats(stream),
         )
         stream.events.put(DoneEvent(stream.text.text, reason, stats, stream.index))
 
@@ -420,7 +443,7 @@ class PagedBackend:
         # that the prefix cache shares with live sequences would break their read-only rule.
         seq = Sequence(-1, token_ids[:-1])
         seq.block_table = list(range(-(-seq.num_tokens // self.block_size)))
-        with self._work:  # one forward pass at a time on this model
+        with self._lock:  # one forward pass at a time on this model
             cache = self.runner.scratch_cache(seq.num_tokens)
             rows = []
             chunk = self.scheduler.max_num_batched_tokens
