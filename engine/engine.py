@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .backends.base import Backend
 from .chat_template import CHATML_TEMPLATE, ChatTemplate
@@ -217,11 +218,15 @@ class Engine:
 
 
 def _auto_backend(model: ResolvedModel, plan: Plan) -> str:
-    """GGUF on CPU: llama.cpp. A Hugging Face checkpoint, or a CUDA device: our paged engine."""
+    """A Hugging Face checkpoint, or a CUDA device: our paged engine. A GGUF on the CPU: the
+    sparse engine when the file carries calibrated activation sparsity (and the native kernels
+    were built), else llama.cpp."""
     if model.spec.format != "gguf":
         return "paged"
     if plan.device == "cuda" or (plan.device == "auto" and _cuda_available()):
         return "paged"
+    if model.spec.sparsity is not None and sparse_int4_runtime.built():
+        return "sparse"
     return "llamacpp"
 
 

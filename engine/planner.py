@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .hardware import Hardware
 from .memory_model import DeviceMemory, estimate, gib
@@ -58,7 +59,7 @@ class NothingFitsError(LLMLocalError):
 class Pins:
     """Dimensions the user fixed with flags; None leaves the planner free."""
 
-    backend: str | None = None  # "llamacpp" | "paged"
+    backend: str | None = None  # "llamacpp" | "paged" | "sparse"
     device: str | None = None  # "cpu" | "cuda"
     n_ctx: int | None = None
     gpu_layers: int | None = None
@@ -426,6 +427,13 @@ def _no_candidate(variants: Sequence[ModelSpec], hw: Hardware, pins: Pins) -> st
         return f"llama.cpp runs GGUF files and {spec.path} is not one: use --backend paged or convert it with `llmlocal quantize`."
     if pins.device == "cuda" and not hw.gpus:
         return "--device cuda was asked for but no CUDA GPU was found: use --device cpu."
+    if pins.backend == "sparse":
+        if pins.device == "cuda":
+            return "The sparse backend runs on the CPU: drop --device cuda, or use --backend paged."
+        if getattr(spec, "sparsity", None) is None:
+            return (f"{spec.path} has no calibrated sparsity thresholds: calibrate it with "
+                    "`llmlocal quantize MODEL --sparsity -o OUT.gguf`.")
+        return "The sparse INT4 kernels of llmlocal are not compiled: reinstall llmlocal on a machine with a C compiler."
     return "No backend can run this model here: check --backend and --device."
 
 
@@ -479,6 +487,6 @@ def plan_model(
     draft = resolve(base.draft).spec if base.draft and base.draft != "ngram" else None
     hw = hardware or probe(memory_budget)
     backends = BACKENDS
-    if getattr(spec, "sparsity", None) is not None and importlib.util.find_spec("llmlocal.engine.backends.sparse") is not None:
+    if getattr(spec, "sparsity", None) is not None and sparse_int4_runtime.built():
         backends = (*BACKENDS, "sparse")
     return choose([spec], hw, pins, base, draft, backends)

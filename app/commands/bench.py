@@ -6,6 +6,9 @@ Scenarios:
   prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold
   spec     speculative decoding (paged): an fp32 target with an INT4 draft of itself (or
            --draft M), and n-gram lookup on a summarising prompt; batch 1 and batch 8
+  sparse   decode of the sparse backend (at --sparsity S, and at 0 through the same kernels)
+           vs dense llama.cpp on the same GGUF, and the kernels' bandwidth; a model without
+           thresholds is calibrated first (cached)
 
 Examples:
 
@@ -13,6 +16,7 @@ Examples:
     llmlocal bench batch --requests 16 --json
     llmlocal bench prefix --model ~/models/llama-3.2-1b-q4_0.gguf
     llmlocal bench spec --json
+    llmlocal bench sparse --json --sparsity 0.5
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ import json
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="measure speed: decode, batch, prefix", description=__doc__,
+        "bench", help="measure speed: decode, batch, prefix, spec, sparse", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("scenario", choices=["decode", "batch", "prefix", "spec"])
+    p.add_argument("scenario", choices=["decode", "batch", "prefix", "spec", "sparse"])
     p.add_argument("--model", "-m", default=None, metavar="M", help="model name or path (default: smollm2-135m)")
     p.add_argument("--backends", default="paged,llamacpp", metavar="LIST",
                    help="decode: backends to compare, comma-separated (default: paged,llamacpp)")
@@ -34,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4)")
+    p.add_argument("--sparsity", type=float, default=None, metavar="S",
+                   help="sparse: activation sparsity to run at (default: the model's calibrated level; "
+                        "0.5 to calibrate a model that has none)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="sparse: CPU threads (default: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -51,6 +59,12 @@ def run(args: argparse.Namespace) -> int:
         result = bench.bench_batch(args.model, requests=args.requests)
     elif args.scenario == "prefix":
         result = bench.bench_prefix(args.model)
+    elif args.scenario == "sparse":
+        from llmlocal.engine.bench_sparse import bench_sparse
+
+        if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
+            raise LLMLocalError(f"--sparsity must be in [0, 1), got {args.sparsity}.")
+        result = bench_sparse(args.model, args.sparsity, max_tokens=args.max_tokens, threads=args.threads)
     else:
         from llmlocal.engine.bench_spec import bench_spec
 

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model name or path to a .gguf file (default: smollm2-135m, bundled)")
     g = p.add_argument_group("pins (each flag fixes that dimension)")
     g.add_argument("--ctx", type=int, default=None, metavar="N", help="context window in tokens")
-    g.add_argument("--backend", default="auto", choices=["auto", "llamacpp", "paged"], help="engine backend")
+    g.add_argument("--backend", default="auto", choices=["auto", "llamacpp", "paged", "sparse"], help="engine backend")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
     g.add_argument("--kv-blocks", type=int, default=None, metavar="N", help="paged backend: KV pool size in blocks of 16 tokens")
     g.add_argument("--draft", default=None, metavar="M", help="paged backend: count draft model M (or 'ngram')")

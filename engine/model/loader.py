@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
 from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, permute_qk
@@ -50,7 +51,14 @@ def quantize_int4(w: np.ndarray, group: int = 32) -> Int4Codes:
     return Int4Codes(codes.reshape(n, k), scale, (lo + 8.0 * scale).astype(np.float32), group)
 
 
-def _fuse(parts: list[_Part], mode: str, dtype: torch.dtype, device: torch.device) -> Linear:
+# Builds the layer for exact INT4 codes (rows of the fused parts concatenated) and a bias;
+# the default is `Int4Linear`, the sparse backend passes its own.
+Int4Factory = Callable[[Int4Codes, "torch.Tensor | None"], nn.Module]
+
+
+def _fuse(
+    parts: list[_Part], mode: str, dtype: torch.dtype, device: torch.device, int4: Int4Factory | None = None
+) -> Linear:
     """Concatenate projections along their output rows into one linear layer."""
     bias = None
     if any(p.bias is not None for p in parts):
@@ -70,6 +78,13 @@ def _fuse(parts: list[_Part], mode: str, dtype: torch.dtype, device: torch.devic
         if mode == "int8":
             return Int8Linear(w.to(device), bias)
         return DenseLinear(w.to(device), bias)
+    if int4 is not None:
+        fused = codes[0] if len(codes) == 1 else Int4Codes(
+            np.concatenate([c.codes for c in codes]),
+            np.concatenate([c.scale for c in codes]),
+            np.concatenate([c.zero for c in codes]),
+        )
+        return int4(fused, bias)  # type: ignore[return-value]
     return Int4Linear(
         torch.from_numpy(np.concatenate([c.codes for c in codes]).astype(np.int32)),
         torch.from_numpy(np.concatenate([c.scale for c in codes])),
@@ -86,8 +101,15 @@ def _check_mode(weights: str) -> None:
 
 
 def load_gguf(
-    spec: ModelSpec, device: torch.device, dtype: torch.dtype, weights: str = "auto", max_position: int | None = None
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: str = "auto",
+    max_position: int | None = None,
+    int4: Int4Factory | None = None,
 ) -> LlamaModel:
+    """The model of a GGUF file. ``int4`` builds the projections whose source is INT4 (all
+    parts of a fused projection must be); the others follow ``weights``."""
     _check_mode(weights)
     cfg = config_from_spec(spec)
     t = GGUFTensors(spec)
@@ -119,11 +141,11 @@ def load_gguf(
         b = f"blk.{i}."
         qkv = _fuse(
             [part(b + "attn_q.weight", cfg.n_heads), part(b + "attn_k.weight", cfg.n_kv_heads), part(b + "attn_v.weight")],
-            weights, dtype, device,
+            weights, dtype, device, int4,
         )
-        o = _fuse([part(b + "attn_output.weight")], weights, dtype, device)
-        gate_up = _fuse([part(b + "ffn_gate.weight"), part(b + "ffn_up.weight")], weights, dtype, device)
-        down = _fuse([part(b + "ffn_down.weight")], weights, dtype, device)
+        o = _fuse([part(b + "attn_output.weight")], weights, dtype, device, int4)
+        gate_up = _fuse([part(b + "ffn_gate.weight"), part(b + "ffn_up.weight")], weights, dtype, device, int4)
+        down = _fuse([part(b + "ffn_down.weight")], weights, dtype, device, int4)
         layers.append(
             DecoderLayer(cfg, RMSNorm(vec(b + "attn_norm.weight"), cfg.norm_eps), qkv, o,
                          RMSNorm(vec(b + "ffn_norm.weight"), cfg.norm_eps), gate_up, down)

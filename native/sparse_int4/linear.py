@@ -9,7 +9,8 @@ Inputs with |x_j| <= threshold count as zero and their weight columns are not re
 batch (B rows, e.g. speculative verification) a column is read once when any row keeps it;
 `kept_per_row()` gives each row's own count. More than 8 rows run in chunks of 8 (each chunk
 reads the weight once; `kept_columns` is then the largest chunk's, `kept_per_row` the last
-chunk's).
+chunk's). Over the whole call, `rows_kept` sums every row's own count (the row-level
+sparsity) and `columns_read` every chunk's union (the bytes actually read).
 No copies: x must be a C-contiguous float32 array (torch CPU tensor or numpy); the result
 (or `out`, if given: float32, C-contiguous, shape (N,) or (B, N)) has x's type.
 """
@@ -38,6 +39,8 @@ class SparseInt4Linear:
         self._counts_ptr = self._counts.ctypes.data
         self._last_batch = 0
         self.kept_columns = -1  # columns read by the last call (union over its rows); -1 before any
+        self.rows_kept = 0  # the last call: sum over rows of the inputs each kept
+        self.columns_read = 0  # the last call: sum over 8-row chunks of the columns read
 
     @classmethod
     def from_codes(
@@ -104,21 +107,25 @@ class SparseInt4Linear:
         if 0 < batch <= MAX_BATCH:
             self.kept_columns = self._matrix.gemv(px, py, batch, k, n, t, dense, self._counts_ptr)
             self._last_batch = batch
+            self.columns_read = self.kept_columns
+            self.rows_kept = batch * k if dense else int(self._counts[:batch].sum())
         elif batch > MAX_BATCH:
             self._forward_chunks(x, out, batch, t, dense)
         return out
 
     def _forward_chunks(self, x: Any, out: Any, batch: int, t: float, dense: bool) -> None:
         k, n = self.in_features, self.out_features
-        kept = 0
+        kept = read = rows = 0
         for b0 in range(0, batch, MAX_BATCH):
             bb = min(MAX_BATCH, batch - b0)
             xb, yb = x[b0 : b0 + bb], out[b0 : b0 + bb]  # contiguous row ranges: views, no copies
             if not isinstance(x, np.ndarray):
                 xb, yb = xb.data_ptr(), yb.data_ptr()
-            kept = max(kept, self._matrix.gemv(xb, yb, bb, k, n, t, dense, self._counts_ptr))
+            chunk = self._matrix.gemv(xb, yb, bb, k, n, t, dense, self._counts_ptr)
+            kept, read = max(kept, chunk), read + chunk
+            rows += bb * k if dense else int(self._counts[:bb].sum())
             self._last_batch = bb
-        self.kept_columns = kept
+        self.kept_columns, self.columns_read, self.rows_kept = kept, read, rows
 
 
 _F32: Any = None

@@ -21,6 +21,13 @@ class KernelsUnavailableError(ImportError):
     """The compiled extension is missing (llmlocal was installed without building it)."""
 
 
+def built() -> bool:
+    """Whether the extension was compiled at install (found without loading it)."""
+    import importlib.util
+
+    return importlib.util.find_spec(f"{__package__}._kernels") is not None
+
+
 def kernels() -> ModuleType:
     """The `_kernels` extension, configured from the environment at first use."""
     global _kernels

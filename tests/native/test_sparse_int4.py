@@ -194,6 +194,11 @@ def test_batch_reads_the_union_of_the_rows_columns(isa: str, threads: int, batch
         last = x[(batch - 1) // 8 * 8 :]  # the last chunk of 8 rows
         expected = [k] * len(last) if t is None else (np.abs(last) > t).sum(axis=1).tolist()
         assert lin.kept_per_row() == expected
+        kept = np.full(batch, k) if t is None else (np.abs(x) > t).sum(axis=1)
+        assert lin.rows_kept == kept.sum()  # every row's own count, over all chunks
+        chunks = [x[b : b + 8] for b in range(0, batch, 8)]
+        union = [k if t is None else int((np.abs(c) > t).any(axis=0).sum()) for c in chunks]
+        assert lin.columns_read == sum(union)
 
 
 def test_torch_tensors_are_used_in_place(isa: str) -> None:

@@ -1,0 +1,126 @@
+"""Backend `sparse`: the CPU path for GGUF INT4 models with calibrated activation sparsity.
+
+The paged engine (scheduler, block KV cache, prefix caching, speculative decoding) with the
+INT4 projections repacked at load into the native kernels' column-major layout
+(`llmlocal.native.sparse_int4`). Every projection input is thresholded with the model's
+calibrated per-layer thresholds (`ModelSpec.sparsity`, written by `llmlocal quantize
+--sparsity`), and the kernels do not read the weight columns of the zeroed inputs: at 50%
+sparsity a decode step reads about half the projection weights.
+
+`--sparsity S` overrides the calibrated level (thresholds interpolated from the calibration
+grid); 0 runs every column through the same kernels. Projections the kernels cannot read
+(e.g. Q6_K tensors in a Q4_K_M file) keep their torch layer and get the same thresholds, so
+the output does not depend on which layers skip; they count as fully read in
+`Stats.achieved_sparsity`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+from llmlocal.models import ResolvedModel
+from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.spec import SPARSITY_PROJECTIONS
+from llmlocal.native import sparse_int4
+
+from ..drafter import Drafter
+from ..model.llama import LlamaModel
+from ..model.loader import load_gguf
+from ..model.sparse_linear import SparseInt4Projection, SparseProjection, ThresholdedLinear
+from ..model.sparsity import projection_modules
+from ..plan import Plan
+from ..types import Request
+from .paged import PagedBackend, _Stream
+
+
+class SparseBackend(PagedBackend):
+    name = "sparse"
+
+    @classmethod
+    def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None) -> SparseBackend:
+        spec = model.spec
+        if spec.format != "gguf":
+            raise LLMLocalError(
+                f"The sparse backend runs GGUF INT4 files; {model.name} is a Hugging Face checkpoint: "
+                "convert it with `llmlocal quantize MODEL --type q4_0 --sparsity -o OUT.gguf`."
+            )
+        if plan.device == "cuda":
+            raise LLMLocalError("The sparse backend runs on the CPU: drop --device cuda, or use --backend paged.")
+        if spec.sparsity is None and plan.sparsity != 0:
+            raise LLMLocalError(
+                f"{model.name} has no calibrated sparsity thresholds: calibrate it with "
+                "`llmlocal quantize MODEL --sparsity -o OUT.gguf`, or pass --sparsity 0 to run it densely "
+                "through the sparse kernels."
+            )
+        sparse_int4.kernels()  # a clear error now if the extension was not built
+        threads = plan.threads or sparse_int4.runtime.default_threads()
+        sparse_int4.set_num_threads(threads)
+        backend = super().load(model, plan.replace(device="cpu", dtype="fp32"), drafter)
+        assert isinstance(backend, SparseBackend)
+        backend.model_spec = spec
+        backend.set_sparsity(plan.sparsity if plan.sparsity is not None else spec.sparsity.level)  # type: ignore[union-attr]
+        return backend
+
+    @classmethod
+    def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
+        net = load_gguf(model.spec, device, dtype, "auto", max_position=n_ctx, int4=SparseInt4Projection)
+        for layer in net.layers:
+            for attr in ("qkv", "o_proj", "gate_up", "down"):
+                inner = getattr(layer, attr)
+                if not isinstance(inner, SparseInt4Projection):
+                    setattr(layer, attr, ThresholdedLinear(inner))
+        return net
+
+    # ---- sparsity ------------------------------------------------------------------------
+    def projections(self) -> dict[str, list[SparseProjection]]:
+        return projection_modules(self.runner.model)  # type: ignore[return-value]
+
+    def set_sparsity(self, level: float) -> None:
+        """Use the thresholds of ``level`` (0: dense). Takes effect at the next step."""
+        if not 0.0 <= level < 1.0:
+            raise LLMLocalError(f"--sparsity must be in [0, 1), got {level}.")
+        calibrated = self.model_spec.sparsity
+        if calibrated is None:  # only reachable with level 0 (load checks)
+            table = {p: (0.0,) * len(self.runner.model.layers) for p in SPARSITY_PROJECTIONS}
+        else:
+            table = calibrated.at(level)
+        with self._lock:
+            for proj, modules in self.projections().items():
+                for layer, module in enumerate(modules):
+                    module.threshold = float(table[proj][layer])
+            self.sparsity = level
+
+    def counts(self) -> tuple[int, int]:
+        """(weight entries skipped, weight entries asked for) by every projection so far."""
+        skipped = total = 0
+        for modules in self.projections().values():
+            for m in modules:
+                skipped += m.skipped
+                total += m.total
+        return skipped, total
+
+    @property
+    def sparse_weight_share(self) -> float:
+        """Share of the projection weights the kernels hold (the rest cannot skip)."""
+        held = total = 0
+        for modules in self.projections().values():
+            for m in modules:
+                n = m.in_features * m.out_features
+                total += n
+                held += n if isinstance(m, SparseInt4Projection) else 0
+        return held / total if total else 0.0
+
+    # ---- stats ---------------------------------------------------------------------------
+    def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> _Stream:
+        stream = super()._new_stream(request, cancel, events, index)
+        stream.start_mark = self.counts()
+        return stream
+
+    def _extra_stats(self, stream: _Stream) -> dict[str, object]:
+        # Counted over every step while the request ran: exact for one request at a time,
+        # the batch's mix when several run together.
+        s0, t0 = stream.start_mark  # type: ignore[misc]
+        s1, t1 = self.counts()
+        return {"achieved_sparsity": (s1 - s0) / (t1 - t0)} if t1 > t0 else {}

@@ -1,0 +1,116 @@
+"""Linear layers of the `sparse` backend: INT4 GEMV through the native kernels that skip the
+weight columns of small inputs, and a thresholding wrapper for projections that are not INT4.
+
+Each projection input x gets its layer's calibrated threshold t (see `model/sparsity.py`):
+x_j with |x_j| <= t counts as zero, so column j of the weight is never read. t = 0 (or None)
+runs the dense kernel: every column, same arithmetic.
+
+Every layer counts the weight it was asked to multiply and the part it skipped; the backend
+sums these into `Stats.achieved_sparsity` (the share of projection weight reads skipped,
+the figure decode speed follows).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from llmlocal.native.sparse_int4 import SparseInt4Linear
+from torch import nn
+
+from .gguf_tensors import Int4Codes
+from .sparsity import threshold_activations
+
+
+class _Counted(nn.Module):
+    """Weight entries asked for and skipped since the last `reset_counts`."""
+
+    in_features: int
+    out_features: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threshold: float | None = None
+        self.total = 0
+        self.skipped = 0
+
+    def reset_counts(self) -> None:
+        self.total = self.skipped = 0
+
+
+class SparseInt4Projection(_Counted):
+    """y = W x' + b, W INT4 in the kernels' column-major layout (repacked once at load).
+
+    With ``timed`` set, also sums the seconds spent in the kernel and the weight bytes it
+    read (the benchmark's kernel bandwidth)."""
+
+    timed = False
+
+    def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.kernel = SparseInt4Linear.from_codes(codes.codes, codes.scale, codes.zero, codes.group_size)
+        self.in_features, self.out_features = self.kernel.in_features, self.kernel.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.seconds = 0.0
+        self.bytes_read = 0
+
+    def reset_counts(self) -> None:
+        super().reset_counts()
+        self.seconds, self.bytes_read = 0.0, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        x2 = x2.contiguous()
+        t = self.threshold if self.threshold else None  # 0 or None: the dense kernel
+        kernel = self.kernel
+        if self.timed:
+            start = time.perf_counter()
+            y = kernel(x2, t)
+            self.seconds += time.perf_counter() - start
+            self.bytes_read += kernel.weight_bytes() * kernel.columns_read // self.in_features
+        else:
+            y = kernel(x2, t)
+        k, n = self.in_features, self.out_features
+        self.total += x2.shape[0] * k * n
+        if t is not None:
+            # each row skips the columns it zeroed: with one row (decode) exactly the reads
+            # saved; a multi-row chunk reads the union of its rows' columns
+            self.skipped += (x2.shape[0] * k - kernel.rows_kept) * n
+        if self.bias is not None:
+            y = y + self.bias
+        if x.dim() != 2:
+            y = y.reshape(*shape[:-1], n)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def weight_bytes(self) -> int:
+        return self.kernel.weight_bytes()
+
+
+class ThresholdedLinear(_Counted):
+    """Any linear layer with its input thresholded in torch: the same numbers as the kernels,
+    no skipped reads (for projections stored in a format the kernels do not read, such as
+    the Q6_K tensors of a Q4_K_M file)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        weight = getattr(inner, "weight", None)
+        if weight is None:
+            weight = getattr(inner, "qweight", None)
+        self.in_features = int(getattr(inner, "in_features", 0) or weight.shape[1])  # type: ignore[union-attr]
+        self.out_features = int(inner.out_features)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.threshold:
+            x = threshold_activations(x, self.threshold)
+        self.total += x.numel() * self.out_features
+        return self.inner(x)
+
+    def weight_bytes(self) -> int:
+        return self.inner.weight_bytes()  # type: ignore[operator]
+
+
+SparseProjection = SparseInt4Projection | ThresholdedLinear
