@@ -109,7 +109,8 @@ def load_gguf(
     int4: Int4Factory | None = None,
 ) -> LlamaModel:
     """The model of a GGUF file. ``int4`` builds the projections whose source is INT4 (all
-    parts of a fused projection must be); the others follow ``weights``."""
+    parts of a fused projection must be), and the output head when its source is; the
+    others follow ``weights``."""
     _check_mode(weights)
     cfg = config_from_spec(spec)
     t = GGUFTensors(spec)
@@ -159,6 +160,9 @@ def load_gguf(
     model = LlamaModel(cfg, embed, layers, norm, lm_head, inv_freq, max_position or cfg.max_position).eval()
     if weights != "dense" and cfg.tie_embeddings and t.info("token_embd.weight").ggml_type not in FLOAT_TYPES:
         model.quantize_tied_head()  # a quantized source: INT8 rows lose next to nothing more
+    head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
+    if int4 is not None and t.info(head).ggml_type in INT4_TYPES and t.info(head).shape[0] % 32 == 0:
+        model.lm_head = int4(t.int4(head), None)  # exact 4-bit codes: the head reads half of INT8's bytes
     return model
 
 

@@ -192,3 +192,20 @@ def test_generation_matches_the_paged_engine_at_level_zero(sparse_starter: tuple
         e.backend.runner.model.quantize_tied_head()
         want = [ev for ev in e.generate(request) if isinstance(ev, DoneEvent)][0].text
     assert got == want
+
+
+def test_a_4bit_output_head_runs_in_the_kernels_too(tmp_path: Path) -> None:
+    """A GGUF whose (tied) output head is Q4_0: the sparse backend reads it through the dense
+    kernel (exact codes, half of INT8's bytes), and its logits equal the exact fp32 model's."""
+    from llmlocal.quant.synthetic import random_gguf
+
+    path = str(random_gguf(tmp_path / "small.gguf", shape="smollm2-135m", qtype="q4_0"))
+    with Engine.load(Plan(model=path, backend="sparse", sparsity=0.0, n_ctx=256)) as e:
+        head = e.backend.runner.model.lm_head
+        assert isinstance(head, SparseInt4Projection) and head.threshold is None
+        ids = list(range(100, 164))
+        got = e.backend.log_probs(ids)
+    with Engine.load(Plan(model=path, backend="paged", weights="dense", dtype="fp32", n_ctx=256)) as e:
+        want = e.backend.log_probs(ids)
+    np.testing.assert_allclose(got, want, atol=2e-3)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
