@@ -47,8 +47,8 @@ def _prompt(n_words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-def _run(engine: Engine, messages: list[dict[str, str]], max_tokens: int) -> DoneEvent:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+def _run(engine: Engine, messages: list[dict[str, str]], max_tokens: int, ignore_eos: bool = False) -> DoneEvent:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     done = None
     for event in engine.generate(Request.chat(messages, params)):
         if isinstance(event, DoneEvent):

@@ -50,6 +50,7 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     n: int = 1  # parallel samples of one prompt (the paged engine shares the prompt's KV blocks)
+    ignore_eos: bool = False  # go on past the model's end-of-generation token (benchmarks)
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= 64:

@@ -180,7 +180,7 @@ class LlamaCppBackend:
         try:
             while not cancel.is_set():
                 token = next(tokens, None)
-                if token is None or self._is_eog(token):
+                if token is None or (self._is_eog(token) and not p.ignore_eos):
                     finish = "stop"
                     break
                 completion.append(token)

@@ -380,7 +380,7 @@ class PagedBackend:
 
     def _emit(self, stream: _Stream, token: int) -> bool:
         """Stream one sampled token's text; True if the sample ends here (EOG or stop string)."""
-        if self.tokenizer.is_eog(token):
+        if self.tokenizer.is_eog(token) and not stream.request.sampling.ignore_eos:
             return True
         stream.recorder.token()
         piece = stream.text.feed(self.tokenizer.token_bytes(token))

@@ -204,3 +204,12 @@ def test_parallel_samples(engine: Engine) -> None:
     # seeded: the same request gives the same four samples
     again = {e.index: e.text for e in engine.generate(Request.chat(QUESTION, p)) if isinstance(e, DoneEvent)}
     assert again == texts
+
+
+def test_ignore_eos_decodes_exactly_max_tokens(engine: Engine) -> None:
+    short = [{"role": "user", "content": "Reply with the single word: yes."}]
+    _, ended = collect(engine, Request.chat(short, SamplingParams(temperature=0, max_tokens=64)))
+    assert ended.finish_reason == "stop" and ended.stats.completion_tokens < 64
+    _, forced = collect(engine, Request.chat(short, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)))
+    assert forced.finish_reason == "length" and forced.stats.completion_tokens == 64
+    assert forced.text.startswith(ended.text)
