@@ -53,6 +53,7 @@ def sparse_int4_extension() -> Extension:
         depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "kernel_body.h", "prep_body.h")] + list(ISA_SOURCES),
         extra_compile_args=["-std=c11", "-O3", "-pthread", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],
+        libraries=["m"],
     )
     ext.isa_sources = ISA_SOURCES if X86 else {}  # type: ignore[attr-defined]
     return ext

@@ -29,6 +29,7 @@ from llmlocal.native import sparse_int4
 from ..drafter import Drafter
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf
+from ..model.fast_decode import FastDecode
 from ..model.sparse_linear import SparseInt4Projection, SparseProjection, ThresholdedLinear
 from ..model.sparsity import projection_modules
 from ..plan import Plan
@@ -41,6 +42,7 @@ SPIN_US = 2000  # how long idle kernel workers spin between calls (see `load`)
 
 class SparseBackend(PagedBackend):
     name = "sparse"
+    _stack: FastDecode | None = None
 
     @classmethod
     def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None) -> SparseBackend:
@@ -69,6 +71,7 @@ class SparseBackend(PagedBackend):
         backend = super().load(model, plan.replace(device="cpu", dtype="fp32"), drafter)
         assert isinstance(backend, SparseBackend)
         backend.model_spec = spec
+        backend._stack = FastDecode.build(backend.runner)
         backend.set_sparsity(plan.sparsity if plan.sparsity is not None else spec.sparsity.level)  # type: ignore[union-attr]
         return backend
 
@@ -99,6 +102,8 @@ class SparseBackend(PagedBackend):
             for proj, modules in self.projections().items():
                 for layer, module in enumerate(modules):
                     module.threshold = float(table[proj][layer])
+            if self._stack is not None:
+                self._stack.set_thresholds(table)
             self.sparsity = level
 
     def counts(self) -> tuple[int, int]:
@@ -108,6 +113,9 @@ class SparseBackend(PagedBackend):
             for m in modules:
                 skipped += m.skipped
                 total += m.total
+        if self._stack is not None:
+            s, t = self._stack.counts()
+            skipped, total = skipped + s, total + t
         return skipped, total
 
     @property

@@ -18,6 +18,7 @@ from llmlocal.engine import Engine, Plan
 from llmlocal.engine.backends.paged import PagedBackend
 from llmlocal.engine.backends.sparse import SparseBackend
 from llmlocal.engine.planner import Pins, plan_model
+from llmlocal.engine.model.fast_decode import FastDecode
 from llmlocal.engine.model.sparse_linear import SparseInt4Projection
 from llmlocal.engine.model.sparsity import ProjectionHooks, projection_modules, threshold_activations
 from llmlocal.engine.types import DoneEvent, Request, SamplingParams
@@ -209,3 +210,30 @@ def test_a_4bit_output_head_runs_in_the_kernels_too(tmp_path: Path) -> None:
         want = e.backend.log_probs(ids)
     np.testing.assert_allclose(got, want, atol=2e-3)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+@pytest.mark.parametrize("level", [0.5, 0.0])
+def test_native_decode_stack_gives_the_torch_layers_tokens(sparse: Engine, level: float) -> None:
+    """Batch-1 decode runs all layers in one native call (`FastDecode`); the torch layers
+    with the same kernels are its reference: the same greedy tokens and the same columns
+    skipped, token for token."""
+    stack = sparse.backend._stack
+    assert stack is not None
+    request = Request.chat([{"role": "user", "content": "Tell me about the moon."}],
+                           SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    sparse.backend.set_sparsity(level)
+    try:
+        runs = {}
+        for fast in (True, False):
+            FastDecode.enabled = fast
+            before = stack.tokens
+            done = [e for e in sparse.generate(request) if isinstance(e, DoneEvent)][0]
+            runs[fast] = (done.text, done.stats.achieved_sparsity, stack.tokens - before)
+    finally:
+        FastDecode.enabled = True
+        sparse.backend.set_sparsity(0.5)
+    (text, achieved, steps), (want_text, want_achieved, generic_steps) = runs[True], runs[False]
+    assert steps == 47 and generic_steps == 0  # every decode step but the first (prefill) token
+    assert text == want_text
+    assert achieved == pytest.approx(want_achieved, abs=1e-3)
+    assert achieved == pytest.approx(level, abs=0.08)

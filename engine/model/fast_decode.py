@@ -1,0 +1,119 @@
+"""Batch-1 decode of the `sparse` backend in one native call per token.
+
+A decode step of a small model is hundreds of small torch calls (norms, RoPE, the KV write,
+attention, activations, residuals) around the projections; on the starter model (30 layers)
+they cost more than the projections' weight reads. `FastDecode` hands the whole stack of
+layers to `DecodeStack` (native/sparse_int4/csrc/module.c), which runs the same arithmetic
+in C with the projections through the same kernels, and leaves embedding, final norm, head
+and sampling to the model. It takes over only the steps it can run exactly: one sequence
+decoding one token, in the runner's own KV cache, with every projection an INT4 kernel
+without bias; everything else (prefill, batches, speculative verification) goes through
+the torch model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from llmlocal.models.spec import SPARSITY_PROJECTIONS
+from llmlocal.native.sparse_int4 import kernels
+
+from ..model_runner import ModelRunner
+from .attention import AttentionMetadata
+from .llama import LlamaModel
+from .sparse_linear import SparseInt4Projection
+
+# the order of a layer's projections in DecodeStack, by calibration name
+_ORDER = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
+assert set(_ORDER) == set(SPARSITY_PROJECTIONS)
+_ATTRS = ("qkv", "o_proj", "gate_up", "down")
+
+
+class FastDecode:
+    enabled = True  # class-wide switch (tests and the benchmark compare both paths)
+
+    def __init__(self, runner: ModelRunner) -> None:
+        model = runner.model
+        cfg = model.cfg
+        self.runner, self.model = runner, model
+        layers = []
+        for layer, (k_cache, v_cache) in zip(model.layers, runner.kv_caches):
+            mats = [getattr(layer, a).kernel._matrix for a in _ATTRS]
+            layers.append((layer.attn_norm.weight.data_ptr(), *mats, layer.mlp_norm.weight.data_ptr(),
+                           k_cache.data_ptr(), v_cache.data_ptr()))
+        first = model.layers[0]
+        config = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ffn, float(first.attn_norm.eps), float(first.scale))
+        self.stack = kernels().DecodeStack(config, layers)
+        n = len(model.layers)
+        self.thresholds = np.zeros(n * 4, dtype=np.float32)
+        self.kept = np.zeros(n * 4, dtype=np.int64)
+        shapes = [(getattr(layer, a).in_features, getattr(layer, a).out_features) for layer in model.layers for a in _ATTRS]
+        self.k = np.array([k for k, _ in shapes], dtype=np.int64)
+        self.kn = np.array([k * n for k, n in shapes], dtype=np.int64)
+        self.tokens = 0
+        self.cis = torch.view_as_real(model.rotary.cis).contiguous()  # (P, D/2, 2) float32: [cos, sin]
+        self.h = torch.empty(1, cfg.d_model, dtype=torch.float32)
+        self._generic = model.forward
+        model.forward = self.forward  # type: ignore[method-assign]
+
+    @classmethod
+    def build(cls, runner: ModelRunner) -> FastDecode | None:
+        """The fast path for this runner's model, or None if some layer cannot take it."""
+        model = runner.model
+        if model.dtype != torch.float32 or runner.kv_caches[0][0].dtype != torch.float32:
+            return None
+        for layer in model.layers:
+            for a in _ATTRS:
+                m = getattr(layer, a)
+                if not isinstance(m, SparseInt4Projection) or m.bias is not None:
+                    return None
+        return cls(runner)
+
+    def set_thresholds(self, table: Mapping[str, Sequence[float]]) -> None:
+        t = np.array([[table[p][i] for p in _ORDER] for i in range(len(self.model.layers))], dtype=np.float32)
+        self.thresholds[:] = t.reshape(-1)
+
+    def counts(self) -> tuple[int, int]:
+        """(weight entries skipped, weight entries asked for) by the fast path so far."""
+        total = int(self.kn.sum()) * self.tokens
+        read = int((self.kept * (self.kn // self.k)).sum())
+        return total - read, total
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if (
+            not self.enabled
+            or SparseInt4Projection.timed
+            or input_ids.shape[0] != 1
+            or meta.num_decode != 1
+            or meta.prefills
+            or meta.decode_slots is None
+            or meta.decode_mask is not None
+            or kv_caches is not self.runner.kv_caches
+        ):
+            return self._generic(input_ids, positions, kv_caches, meta)
+        model = self.model
+        if model.embed_int8 is not None:
+            q = model.embed_int8
+            torch.mul(q.qweight[input_ids].float(), q.scale[input_ids, None].float(), out=self.h)
+        else:
+            self.h.copy_(model.embed[input_ids])  # type: ignore[index]
+        slots = meta.decode_slots[0]
+        self.stack.step(
+            self.h.data_ptr(),
+            self.cis[int(positions[0])].data_ptr(),
+            slots.data_ptr(),
+            slots.shape[0],
+            int(meta.slot_mapping[0]),
+            self.thresholds.ctypes.data,
+            self.kept.ctypes.data,
+        )
+        self.tokens += 1
+        return model.norm(self.h)
