@@ -27,7 +27,6 @@ order is, most important first:
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field

@@ -22,7 +22,6 @@ from llmlocal.native.sparse_int4 import kernels
 
 from ..model_runner import ModelRunner
 from .attention import AttentionMetadata
-from .llama import LlamaModel
 from .sparse_linear import SparseInt4Projection
 
 # the order of a layer's projections in DecodeStack, by calibration name
