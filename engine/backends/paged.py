@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from llmlocal.models import ModelSpec, ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..block_manager import BlockManager
 from ..detokenize import TextStream
@@ -62,6 +63,19 @@ class _Stream:
     accepted: int = 0
     target_steps: int = 0  # steps that produced tokens for this sample
     start_mark: object = None  # a subclass's counters when the request started (`_extra_stats`)
+
+
+def _load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
+    """The draft model's network. On the CPU in fp32, the INT4 projections of a GGUF draft go
+    through the native kernels (dense): speculation pays by how much cheaper a draft token
+    is than a target step."""
+    if draft.spec.format != "gguf":
+        return load_hf(draft.path, device, dtype, "auto", max_position=n_ctx)
+    if device.type == "cpu" and dtype == torch.float32 and sparse_int4_runtime.built():
+        from ..model.sparse_linear import SparseInt4Projection
+
+        return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx, int4=SparseInt4Projection)
+    return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx)
 
 
 class _EngineFailure:
@@ -149,11 +163,12 @@ class PagedBackend:
         elif drafter is None and plan.draft:
             draft = resolve(plan.draft)
             check_same_vocabulary(spec, draft.spec, plan.draft)
-            if draft.spec.format == "gguf":
-                draft_net = load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx)
-            else:
-                draft_net = load_hf(draft.path, device, dtype, "auto", max_position=n_ctx)
-            drafter = DraftModel(ModelRunner(draft_net, num_blocks, block_size, kv_dtype=dtype))
+            draft_runner = ModelRunner(_load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=dtype)
+            if device.type == "cpu" and sparse_int4_runtime.built():
+                from ..model.fast_decode import FastDecode
+
+                FastDecode.build(draft_runner)  # one sequence's draft tokens: one native call each
+            drafter = DraftModel(draft_runner)
         return cls(runner, tokenizer, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)
 
     @classmethod
