@@ -121,10 +121,11 @@ class DraftLength:
             return {}
         if self.fixed is not None:
             return {sid: max(0, min(self.fixed, room[sid])) for sid in seq_ids}
-        if len(self.draft.history) < 4:
+        if 0 < len(self.draft.history) < 4:
             # Too few measured draft passes to fit its cost (the first is often the draft
             # catching up with a whole prompt, far dearer than a proposal): draft one token
             # per sequence until there are, rather than judge on that pass and never draft.
+            # (A drafter without passes, n-gram lookup, costs next to nothing: no probing.)
             return {sid: max(0, min(1, room[sid])) for sid in seq_ids}
         order = sorted(seq_ids, key=self.rate, reverse=True)
         rates = [self.rate(s) for s in order]
