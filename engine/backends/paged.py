@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,17 +66,31 @@ class _Stream:
     start_mark: object = None  # a subclass's counters when the request started (`_extra_stats`)
 
 
+def _native_int4(device: torch.device, dtype: torch.dtype) -> Any:
+    """The layer factory for INT4 projections on this device: the native kernels on the CPU in
+    fp32 (dense: no thresholds), or None for torch's INT4 matmul."""
+    if device.type != "cpu" or dtype != torch.float32 or not sparse_int4_runtime.built():
+        return None
+    from ..model.sparse_linear import SparseInt4Projection
+
+    return SparseInt4Projection
+
+
+def _attach_fast_decode(runner: ModelRunner) -> None:
+    """On the CPU, one sequence's decode step in one native call (when every projection runs
+    in the native kernels; see model/fast_decode.py)."""
+    if runner.device.type == "cpu" and sparse_int4_runtime.built():
+        from ..model.fast_decode import FastDecode
+
+        FastDecode.build(runner)
+
+
 def _load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
-    """The draft model's network. On the CPU in fp32, the INT4 projections of a GGUF draft go
-    through the native kernels (dense): speculation pays by how much cheaper a draft token
-    is than a target step."""
+    """The draft model's network; speculation pays by how much cheaper a draft token is than a
+    target step, so INT4 projections take the native kernels where they can."""
     if draft.spec.format != "gguf":
         return load_hf(draft.path, device, dtype, "auto", max_position=n_ctx)
-    if device.type == "cpu" and dtype == torch.float32 and sparse_int4_runtime.built():
-        from ..model.sparse_linear import SparseInt4Projection
-
-        return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx, int4=SparseInt4Projection)
-    return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx)
+    return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx, int4=_native_int4(device, dtype))
 
 
 class _EngineFailure:
@@ -156,6 +171,8 @@ class PagedBackend:
         # (the planner will size this from free memory).
         num_blocks = plan.kv_blocks or -(-n_ctx // block_size) * min(plan.max_batch, 4)
         runner = ModelRunner(net, num_blocks, block_size, kv_dtype=dtype)
+        if cls is PagedBackend:  # (the sparse backend attaches its own, with thresholds)
+            _attach_fast_decode(runner)
         if device.type == "cuda" and os.environ.get("LLMLOCAL_CUDA_GRAPHS", "1") != "0":
             runner.enable_cuda_graphs(plan.max_batch, n_ctx)
         if drafter is None and plan.draft == "ngram":
@@ -164,10 +181,7 @@ class PagedBackend:
             draft = resolve(plan.draft)
             check_same_vocabulary(spec, draft.spec, plan.draft)
             draft_runner = ModelRunner(_load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=dtype)
-            if device.type == "cpu" and sparse_int4_runtime.built():
-                from ..model.fast_decode import FastDecode
-
-                FastDecode.build(draft_runner)  # one sequence's draft tokens: one native call each
+            _attach_fast_decode(draft_runner)
             drafter = DraftModel(draft_runner)
         return cls(runner, tokenizer, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)
 
@@ -175,7 +189,8 @@ class PagedBackend:
     def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
         """The target model's network (a subclass may build its layers differently)."""
         if model.spec.format == "gguf":
-            return load_gguf(model.spec, device, dtype, plan.weights, max_position=n_ctx)
+            int4 = _native_int4(device, dtype) if plan.weights in ("auto", "int4") else None
+            return load_gguf(model.spec, device, dtype, plan.weights, max_position=n_ctx, int4=int4)
         return load_hf(model.path, device, dtype, plan.weights, max_position=n_ctx)
 
     def _extra_stats(self, stream: _Stream) -> dict[str, object]:

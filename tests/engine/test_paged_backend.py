@@ -8,6 +8,7 @@ from typing import Iterator
 import pytest
 
 from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams
+from llmlocal.engine.model.sparse_linear import SparseInt4Projection
 from llmlocal.engine.model.config import UnsupportedArchitectureError
 from llmlocal.models.errors import LLMLocalError
 
@@ -141,3 +142,15 @@ def test_parallel_samples_share_the_prompt_blocks(fp32_engine: Engine) -> None:
     assert peak <= prompt_blocks + 4 * 2 < 4 * prompt_blocks
     assert fp32_engine.backend.blocks.num_used_blocks == 0
     fp32_engine.backend.blocks.check_invariants()
+
+
+def test_sixteen_concurrent_requests_equal_each_alone_with_int4_weights() -> None:
+    """The default on the CPU: INT4 projections in the native kernels, one sequence's decode
+    step in one native call, batches through the torch layers: the same greedy tokens."""
+    with Engine.load(Plan(backend="paged", n_ctx=1024, max_batch=16)) as e:
+        assert isinstance(e.backend.runner.model.layers[0].qkv, SparseInt4Projection)
+        prompts = (PROMPTS * 2)[:16]
+        lengths = [8 + 3 * i for i in range(16)]
+        alone = [reply(e, p, n).text for p, n in zip(prompts, lengths)]
+        together = replies_together(e, prompts, lengths)
+        assert [d.text for d in together] == alone
