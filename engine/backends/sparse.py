@@ -16,7 +16,6 @@ the output does not depend on which layers skip; they count as fully read in
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 
@@ -35,9 +34,6 @@ from ..model.sparsity import projection_modules
 from ..plan import Plan
 from ..types import Request
 from .paged import PagedBackend, _Stream
-
-
-SPIN_US = 2000  # how long idle kernel workers spin between calls (see `load`)
 
 
 class SparseBackend(PagedBackend):
@@ -63,11 +59,6 @@ class SparseBackend(PagedBackend):
         sparse_int4.kernels()  # a clear error now if the extension was not built
         threads = plan.threads or sparse_int4.runtime.default_threads()
         sparse_int4.set_num_threads(threads)
-        if not os.environ.get("LLMLOCAL_SPARSE_SPIN_US"):
-            # A decode step runs torch ops between the kernel calls (attention takes longest);
-            # workers that keep spinning through those gaps skip a futex wake-up per call:
-            # 53 -> 64 tok/s on the starter at 50% (2 cores), against 200 us.
-            sparse_int4.set_spin_us(SPIN_US)
         backend = super().load(model, plan.replace(device="cpu", dtype="fp32"), drafter)
         assert isinstance(backend, SparseBackend)
         backend.model_spec = spec
