@@ -1,0 +1,26 @@
+/* What the CPython binding's files share: the Matrix object, the lock that serialises calls
+ * (the thread pool and the scratch buffers are shared), and one GEMV under that lock. */
+#ifndef LLMLOCAL_SPARSE_INT4_BINDING_H
+#define LLMLOCAL_SPARSE_INT4_BINDING_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+
+#include "sparse_int4.h"
+
+typedef struct {
+    PyObject_HEAD si4_matrix m;
+    Py_buffer codes, sz;
+} MatrixObject;
+
+extern PyTypeObject si4_matrix_type; /* Matrix (module.c) */
+extern PyTypeObject si4_stack_type;  /* DecodeStack (decode_stack.c) */
+extern pthread_mutex_t si4_call_lock;
+
+/* y = W x' for `batch` rows under si4_call_lock; the columns read (the union over the rows),
+ * or -1 when out of memory. */
+int si4_gemv_locked(const si4_matrix *m, const float *px, size_t x_stride, int batch, float *py, size_t y_stride,
+                    float threshold, int dense, int32_t *pcnt);
+
+#endif

@@ -1,0 +1,245 @@
+/* DecodeStack: a decoder's layers for one batch-1 decode token, in one call (bound in module.c
+ * as llmlocal.native.sparse_int4._kernels.DecodeStack).
+ *
+ * A Llama-family decoder's layers for one decode token (batch 1, fp32): what costs hundreds
+ * of small torch calls per token in Python. Per layer:
+ *
+ *   x = rms_norm(h) * attn_norm;  qkv = W_qkv x'          (x' thresholded, see gemv)
+ *   q, k rotated by RoPE (interleaved pairs (2j, 2j + 1), factors `cis` of the position)
+ *   k, v written to slot `slot_new` of the layer's cache (slots, Hkv, D)
+ *   a_h = softmax(scale q_h . K_g) V_g over the context slots, g = h / (H / Hkv)
+ *   h += W_o a';  x = rms_norm(h) * ffn_norm;  [gate, up] = W_gu x'
+ *   h += W_down (silu(gate) * up)'
+ *
+ * The same arithmetic as engine/model/llama.py, in float32, with the projections through
+ * si4_gemv_locked. Weights are Matrix objects (held); norms and caches are addresses of tensors
+ * the caller keeps alive and in place. */
+
+#include "binding.h" /* Python.h first */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { P_QKV, P_O, P_GU, P_DOWN, N_PROJ };
+
+typedef struct {
+    PyObject_HEAD int n_layers, d, n_heads, n_kv, head_dim, d_ffn;
+    float eps, scale;
+    MatrixObject **proj;           /* n_layers * N_PROJ, referenced */
+    const float **attn_norm, **ffn_norm;
+    float **k_cache, **v_cache;
+    float *x, *qkv, *att, *gu, *act, *out, *scores;
+    size_t scores_n;
+} StackObject;
+
+static void Stack_dealloc(StackObject *self) {
+    if (self->proj)
+        for (int i = 0; i < self->n_layers * N_PROJ; i++) Py_XDECREF(self->proj[i]);
+    free(self->proj);
+    free(self->attn_norm);
+    free(self->ffn_norm);
+    free(self->k_cache);
+    free(self->v_cache);
+    free(self->x);
+    free(self->qkv);
+    free(self->att);
+    free(self->gu);
+    free(self->act);
+    free(self->out);
+    free(self->scores);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static void *addr(PyObject *o) { return PyLong_AsVoidPtr(o); }
+
+/* DecodeStack((d, n_heads, n_kv, head_dim, d_ffn, eps, scale),
+ *             [(attn_norm, qkv, o, gate_up, down, ffn_norm, k_cache, v_cache), ...]) */
+static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    (void)kwds;
+    int d, nh, nkv, hd, ffn;
+    double eps, scale;
+    PyObject *layers;
+    if (!PyArg_ParseTuple(args, "(iiiiidd)O!", &d, &nh, &nkv, &hd, &ffn, &eps, &scale, &PyList_Type, &layers))
+        return NULL;
+    const Py_ssize_t L = PyList_GET_SIZE(layers);
+    if (L < 1 || d < 1 || nh < 1 || nkv < 1 || nh % nkv || hd < 2 || hd % 2 || ffn < 1) {
+        PyErr_SetString(PyExc_ValueError, "DecodeStack: bad shape");
+        return NULL;
+    }
+    StackObject *self = (StackObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->n_layers = (int)L, self->d = d, self->n_heads = nh, self->n_kv = nkv, self->head_dim = hd, self->d_ffn = ffn;
+    self->eps = (float)eps, self->scale = (float)scale;
+    self->proj = calloc((size_t)L * N_PROJ, sizeof(MatrixObject *));
+    self->attn_norm = calloc((size_t)L, sizeof(float *));
+    self->ffn_norm = calloc((size_t)L, sizeof(float *));
+    self->k_cache = calloc((size_t)L, sizeof(float *));
+    self->v_cache = calloc((size_t)L, sizeof(float *));
+    const size_t nqkv = (size_t)(nh + 2 * nkv) * hd;
+    self->x = calloc((size_t)(d > ffn ? d : ffn), sizeof(float));
+    self->qkv = calloc(nqkv, sizeof(float));
+    self->att = calloc((size_t)nh * hd, sizeof(float));
+    self->gu = calloc(2 * (size_t)ffn, sizeof(float));
+    self->act = calloc((size_t)ffn, sizeof(float));
+    self->out = calloc((size_t)d, sizeof(float));
+    if (!self->proj || !self->attn_norm || !self->ffn_norm || !self->k_cache || !self->v_cache || !self->x ||
+        !self->qkv || !self->att || !self->gu || !self->act || !self->out) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    /* the shapes each projection must have: (n out, k in) */
+    const int want[N_PROJ][2] = {{(int)nqkv, d}, {d, nh * hd}, {2 * ffn, d}, {d, ffn}};
+    for (Py_ssize_t i = 0; i < L; i++) {
+        PyObject *t = PyList_GET_ITEM(layers, i);
+        PyObject *an, *fn, *kc, *vc, *m[N_PROJ];
+        if (!PyArg_ParseTuple(t, "OO!O!O!O!OOO", &an, &si4_matrix_type, &m[P_QKV], &si4_matrix_type, &m[P_O], &si4_matrix_type,
+                              &m[P_GU], &si4_matrix_type, &m[P_DOWN], &fn, &kc, &vc)) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        for (int p = 0; p < N_PROJ; p++) {
+            const si4_matrix *mm = &((MatrixObject *)m[p])->m;
+            if (mm->n != want[p][0] || mm->k != want[p][1]) {
+                PyErr_Format(PyExc_ValueError, "DecodeStack: layer %zd projection %d is %d x %d, not %d x %d", i, p,
+                             mm->n, mm->k, want[p][0], want[p][1]);
+                Py_DECREF(self);
+                return NULL;
+            }
+            Py_INCREF(m[p]);
+            self->proj[i * N_PROJ + p] = (MatrixObject *)m[p];
+        }
+        self->attn_norm[i] = addr(an), self->ffn_norm[i] = addr(fn);
+        self->k_cache[i] = addr(kc), self->v_cache[i] = addr(vc);
+        if (PyErr_Occurred() || !self->attn_norm[i] || !self->ffn_norm[i] || !self->k_cache[i] || !self->v_cache[i]) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "DecodeStack: a null address");
+            Py_DECREF(self);
+            return NULL;
+        }
+    }
+    return (PyObject *)self;
+}
+
+static void rms_norm(const float *h, const float *w, float *x, int d, float eps) {
+    double ss = 0.0;
+    for (int i = 0; i < d; i++) ss += (double)h[i] * h[i];
+    const float r = 1.0f / sqrtf((float)(ss / d) + eps);
+    for (int i = 0; i < d; i++) x[i] = h[i] * r * w[i];
+}
+
+/* One token through every layer; h (d) is updated in place. Returns 0, or -1 out of memory. */
+static int stack_step(StackObject *s, float *h, const float *cis, const int64_t *slots, int n_ctx, int64_t slot_new,
+                      const float *thresholds, int64_t *kept) {
+    const int d = s->d, nh = s->n_heads, nkv = s->n_kv, hd = s->head_dim, ffn = s->d_ffn, half = hd / 2;
+    const int group = nh / nkv;
+    if ((size_t)n_ctx > s->scores_n) {
+        float *p = realloc(s->scores, sizeof(float) * (size_t)n_ctx);
+        if (!p) return -1;
+        s->scores = p, s->scores_n = (size_t)n_ctx;
+    }
+    for (int l = 0; l < s->n_layers; l++) {
+        MatrixObject **m = s->proj + (size_t)l * N_PROJ;
+        const float *t = thresholds + (size_t)l * N_PROJ;
+        int64_t *kl = kept + (size_t)l * N_PROJ;
+        int r;
+#define GEMV(P, X, Y)                                                                               \
+    r = si4_gemv_locked(&m[P]->m, (X), (size_t)m[P]->m.k, 1, (Y), (size_t)m[P]->m.n, t[P] > 0 ? t[P] : 0.0f, \
+                    !(t[P] > 0), NULL);                                                              \
+    if (r < 0) return -1;                                                                            \
+    kl[P] += r;
+
+        rms_norm(h, s->attn_norm[l], s->x, d, s->eps);
+        GEMV(P_QKV, s->x, s->qkv)
+        for (int head = 0; head < nh + nkv; head++) { /* q and k heads: (a + ib)(c + is) */
+            float *v = s->qkv + (size_t)head * hd;
+            for (int j = 0; j < half; j++) {
+                const float a = v[2 * j], b = v[2 * j + 1], c = cis[2 * j], sn = cis[2 * j + 1];
+                v[2 * j] = a * c - b * sn;
+                v[2 * j + 1] = a * sn + b * c;
+            }
+        }
+        const size_t row = (size_t)nkv * hd;
+        float *kc = s->k_cache[l], *vc = s->v_cache[l];
+        memcpy(kc + (size_t)slot_new * row, s->qkv + (size_t)nh * hd, sizeof(float) * row);
+        memcpy(vc + (size_t)slot_new * row, s->qkv + (size_t)(nh + nkv) * hd, sizeof(float) * row);
+        for (int head = 0; head < nh; head++) {
+            const float *q = s->qkv + (size_t)head * hd;
+            const size_t off = (size_t)(head / group) * hd;
+            float mx = -INFINITY;
+            for (int i = 0; i < n_ctx; i++) {
+                const float *k = kc + (size_t)slots[i] * row + off;
+                float dot = 0.0f;
+                for (int e = 0; e < hd; e++) dot += q[e] * k[e];
+                s->scores[i] = dot * s->scale;
+                if (s->scores[i] > mx) mx = s->scores[i];
+            }
+            float sum = 0.0f;
+            for (int i = 0; i < n_ctx; i++) sum += (s->scores[i] = expf(s->scores[i] - mx));
+            float *o = s->att + (size_t)head * hd;
+            memset(o, 0, sizeof(float) * hd);
+            for (int i = 0; i < n_ctx; i++) {
+                const float p = s->scores[i] / sum, *v = vc + (size_t)slots[i] * row + off;
+                for (int e = 0; e < hd; e++) o[e] += p * v[e];
+            }
+        }
+        GEMV(P_O, s->att, s->out)
+        for (int i = 0; i < d; i++) h[i] += s->out[i];
+        rms_norm(h, s->ffn_norm[l], s->x, d, s->eps);
+        GEMV(P_GU, s->x, s->gu)
+        for (int i = 0; i < ffn; i++) {
+            const float g = s->gu[i];
+            s->act[i] = g / (1.0f + expf(-g)) * s->gu[ffn + i];
+        }
+        GEMV(P_DOWN, s->act, s->out)
+        for (int i = 0; i < d; i++) h[i] += s->out[i];
+#undef GEMV
+    }
+    return 0;
+}
+
+/* step(h, cis, slots, n_ctx, slot_new, thresholds, kept): addresses of h (d,) float32,
+ * cis (head_dim,) float32 [cos, sin] pairs, slots (n_ctx,) int64 (the context, the new token's
+ * slot last), thresholds (n_layers * 4,) float32 (<= 0: dense), kept (n_layers * 4,) int64
+ * (each projection's columns read are added). */
+static PyObject *Stack_step(StackObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "step(h, cis, slots, n_ctx, slot_new, thresholds, kept)");
+        return NULL;
+    }
+    float *h = addr(args[0]);
+    const float *cis = addr(args[1]);
+    const int64_t *slots = addr(args[2]);
+    const long n_ctx = PyLong_AsLong(args[3]);
+    const long long slot_new = PyLong_AsLongLong(args[4]);
+    const float *t = addr(args[5]);
+    int64_t *kept = addr(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (!h || !cis || !slots || !t || !kept || n_ctx < 1 || slot_new < 0) {
+        PyErr_SetString(PyExc_ValueError, "step: null address or empty context");
+        return NULL;
+    }
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&si4_call_lock);
+    r = stack_step(self, h, cis, slots, (int)n_ctx, slot_new, t, kept);
+    pthread_mutex_unlock(&si4_call_lock);
+    Py_END_ALLOW_THREADS
+    if (r < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Stack_methods[] = {
+    {"step", (PyCFunction)(void (*)(void))Stack_step, METH_FASTCALL, "One decode token through every layer."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject si4_stack_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.sparse_int4._kernels.DecodeStack",
+    .tp_basicsize = sizeof(StackObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A decoder's layers for batch-1 decode in one call (see module.c).",
+    .tp_new = Stack_new,
+    .tp_dealloc = (destructor)Stack_dealloc,
+    .tp_methods = Stack_methods,
+};
+
