@@ -1,14 +1,14 @@
-"""Batch-1 decode of the `sparse` backend in one native call per token.
+"""Decode steps in one native call per token and eight sequences (CPU, INT4 kernels).
 
 A decode step of a small model is hundreds of small torch calls (norms, RoPE, the KV write,
 attention, activations, residuals) around the projections; on the starter model (30 layers)
 they cost more than the projections' weight reads. `FastDecode` hands the whole stack of
 layers to `DecodeStack` (native/sparse_int4/csrc/module.c), which runs the same arithmetic
 in C with the projections through the same kernels, and leaves embedding, final norm, head
-and sampling to the model. It takes over only the steps it can run exactly: one sequence
-decoding one token, in the runner's own KV cache, with every projection an INT4 kernel
-without bias; everything else (prefill, batches, speculative verification) goes through
-the torch model.
+and sampling to the model. It takes over the steps it can run exactly: every sequence of the
+step decoding one token (eight sequences a call), in the runner's own KV cache, with every
+projection an INT4 kernel without bias; everything else (prefill, chunks mixed with decodes,
+speculative verification) goes through the torch model.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .sparse_linear import SparseInt4Projection
 _ORDER = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
 assert set(_ORDER) == set(SPARSITY_PROJECTIONS)
 _ATTRS = ("qkv", "o_proj", "gate_up", "down")
+MAX_ROWS = 8  # sequences per native call (the kernels' batch)
 
 
 class FastDecode:
@@ -53,7 +54,6 @@ class FastDecode:
         self.kn = np.array([k * n for k, n in shapes], dtype=np.int64)
         self.tokens = 0
         self.cis = torch.view_as_real(model.rotary.cis).contiguous()  # (P, D/2, 2) float32: [cos, sin]
-        self.h = torch.empty(1, cfg.d_model, dtype=torch.float32)
         self._generic = model.forward
         model.forward = self.forward  # type: ignore[method-assign]
 
@@ -87,32 +87,39 @@ class FastDecode:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        n = input_ids.shape[0]
         if (
             not self.enabled
             or SparseInt4Projection.timed
-            or input_ids.shape[0] != 1
-            or meta.num_decode != 1
+            or meta.num_decode != n
             or meta.prefills
             or meta.decode_slots is None
-            or meta.decode_mask is not None
             or kv_caches is not self.runner.kv_caches
         ):
             return self._generic(input_ids, positions, kv_caches, meta)
         model = self.model
         if model.embed_int8 is not None:
             q = model.embed_int8
-            torch.mul(q.qweight[input_ids].float(), q.scale[input_ids, None].float(), out=self.h)
+            h = q.qweight[input_ids].float() * q.scale[input_ids, None].float()
         else:
-            self.h.copy_(model.embed[input_ids])  # type: ignore[index]
-        slots = meta.decode_slots[0]
-        self.stack.step(
-            self.h.data_ptr(),
-            self.cis[int(positions[0])].data_ptr(),
-            slots.data_ptr(),
-            slots.shape[0],
-            int(meta.slot_mapping[0]),
-            self.thresholds.ctypes.data,
-            self.kept.ctypes.data,
-        )
-        self.tokens += 1
-        return model.norm(self.h)
+            h = model.embed[input_ids].clone()  # type: ignore[index]
+        slots = meta.decode_slots  # (B, L), row b's first lens[b] valid
+        assert meta.context_lens is not None
+        lens = meta.context_lens.to(torch.int64)
+        cis = self.cis[positions]  # (B, D/2, 2)
+        new = meta.slot_mapping
+        for b0 in range(0, n, MAX_ROWS):  # the sequences are independent: 8 rows a call
+            b1 = min(n, b0 + MAX_ROWS)
+            self.stack.step(
+                h[b0].data_ptr(),
+                cis[b0].data_ptr(),
+                slots[b0].data_ptr(),
+                slots.shape[1],
+                lens[b0].data_ptr(),
+                new[b0].data_ptr(),
+                b1 - b0,
+                self.thresholds.ctypes.data,
+                self.kept.ctypes.data,
+            )
+        self.tokens += n
+        return model.norm(h)

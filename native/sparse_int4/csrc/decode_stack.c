@@ -1,8 +1,8 @@
-/* DecodeStack: a decoder's layers for one batch-1 decode token, in one call (bound in module.c
+/* DecodeStack: a decoder's layers for one decode token of up to 8 sequences, in one call (bound in module.c
  * as llmlocal.native.sparse_int4._kernels.DecodeStack).
  *
- * A Llama-family decoder's layers for one decode token (batch 1, fp32): what costs hundreds
- * of small torch calls per token in Python. Per layer:
+ * A Llama-family decoder's layers for one decode token per sequence (fp32): what costs
+ * hundreds of small torch calls per step in Python. Per layer, for each sequence:
  *
  *   x = rms_norm(h) * attn_norm;  qkv = W_qkv x'          (x' thresholded, see gemv)
  *   q, k rotated by RoPE (interleaved pairs (2j, 2j + 1), factors `cis` of the position)
@@ -77,12 +77,13 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->k_cache = calloc((size_t)L, sizeof(float *));
     self->v_cache = calloc((size_t)L, sizeof(float *));
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd;
-    self->x = calloc((size_t)(d > ffn ? d : ffn), sizeof(float));
-    self->qkv = calloc(nqkv, sizeof(float));
-    self->att = calloc((size_t)nh * hd, sizeof(float));
-    self->gu = calloc(2 * (size_t)ffn, sizeof(float));
-    self->act = calloc((size_t)ffn, sizeof(float));
-    self->out = calloc((size_t)d, sizeof(float));
+    const size_t B = SI4_MAX_BATCH; /* scratch rows */
+    self->x = calloc(B * (size_t)d, sizeof(float));
+    self->qkv = calloc(B * nqkv, sizeof(float));
+    self->att = calloc(B * (size_t)nh * hd, sizeof(float));
+    self->gu = calloc(B * 2 * (size_t)ffn, sizeof(float));
+    self->act = calloc(B * (size_t)ffn, sizeof(float));
+    self->out = calloc(B * (size_t)d, sizeof(float));
     if (!self->proj || !self->attn_norm || !self->ffn_norm || !self->k_cache || !self->v_cache || !self->x ||
         !self->qkv || !self->att || !self->gu || !self->act || !self->out) {
         Py_DECREF(self);
@@ -127,101 +128,126 @@ static void rms_norm(const float *h, const float *w, float *x, int d, float eps)
     for (int i = 0; i < d; i++) x[i] = h[i] * r * w[i];
 }
 
-/* One token through every layer; h (d) is updated in place. Returns 0, or -1 out of memory. */
-static int stack_step(StackObject *s, float *h, const float *cis, const int64_t *slots, int n_ctx, int64_t slot_new,
-                      const float *thresholds, int64_t *kept) {
+/* One token of each of `batch` (1..SI4_MAX_BATCH) sequences through every layer; h (batch, d)
+ * is updated in place. Row b attends to its lens[b] slots slots[b * slot_stride ..] (its own
+ * new slot last). Returns 0, or -1 out of memory. */
+static int stack_step(StackObject *s, int batch, float *h, const float *cis, const int64_t *slots, size_t slot_stride,
+                      const int64_t *lens, const int64_t *slot_new, const float *thresholds, int64_t *kept) {
     const int d = s->d, nh = s->n_heads, nkv = s->n_kv, hd = s->head_dim, ffn = s->d_ffn, half = hd / 2;
     const int group = nh / nkv;
-    if ((size_t)n_ctx > s->scores_n) {
-        float *p = realloc(s->scores, sizeof(float) * (size_t)n_ctx);
+    const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
+    int64_t longest = 0;
+    for (int b = 0; b < batch; b++) longest = lens[b] > longest ? lens[b] : longest;
+    if ((size_t)longest > s->scores_n) {
+        float *p = realloc(s->scores, sizeof(float) * (size_t)longest);
         if (!p) return -1;
-        s->scores = p, s->scores_n = (size_t)n_ctx;
+        s->scores = p, s->scores_n = (size_t)longest;
     }
+    int32_t counts[SI4_MAX_BATCH];
     for (int l = 0; l < s->n_layers; l++) {
         MatrixObject **m = s->proj + (size_t)l * N_PROJ;
         const float *t = thresholds + (size_t)l * N_PROJ;
         int64_t *kl = kept + (size_t)l * N_PROJ;
-        int r;
-#define GEMV(P, X, Y)                                                                               \
-    r = si4_gemv_locked(&m[P]->m, (X), (size_t)m[P]->m.k, 1, (Y), (size_t)m[P]->m.n, t[P] > 0 ? t[P] : 0.0f, \
-                    !(t[P] > 0), NULL);                                                              \
-    if (r < 0) return -1;                                                                            \
-    kl[P] += r;
-
-        rms_norm(h, s->attn_norm[l], s->x, d, s->eps);
-        GEMV(P_QKV, s->x, s->qkv)
-        for (int head = 0; head < nh + nkv; head++) { /* q and k heads: (a + ib)(c + is) */
-            float *v = s->qkv + (size_t)head * hd;
-            for (int j = 0; j < half; j++) {
-                const float a = v[2 * j], b = v[2 * j + 1], c = cis[2 * j], sn = cis[2 * j + 1];
-                v[2 * j] = a * c - b * sn;
-                v[2 * j + 1] = a * sn + b * c;
-            }
-        }
-        const size_t row = (size_t)nkv * hd;
         float *kc = s->k_cache[l], *vc = s->v_cache[l];
-        memcpy(kc + (size_t)slot_new * row, s->qkv + (size_t)nh * hd, sizeof(float) * row);
-        memcpy(vc + (size_t)slot_new * row, s->qkv + (size_t)(nh + nkv) * hd, sizeof(float) * row);
-        for (int head = 0; head < nh; head++) {
-            const float *q = s->qkv + (size_t)head * hd;
-            const size_t off = (size_t)(head / group) * hd;
-            float mx = -INFINITY;
-            for (int i = 0; i < n_ctx; i++) {
-                const float *k = kc + (size_t)slots[i] * row + off;
-                float dot = 0.0f;
-                for (int e = 0; e < hd; e++) dot += q[e] * k[e];
-                s->scores[i] = dot * s->scale;
-                if (s->scores[i] > mx) mx = s->scores[i];
+        /* kept[P] gains every row's own count of inputs read (the columns skipped per row) */
+#define GEMV(P, X, Y)                                                                                         \
+    do {                                                                                                      \
+        const int dense = !(t[P] > 0);                                                                        \
+        if (si4_gemv_locked(&m[P]->m, (X), (size_t)m[P]->m.k, batch, (Y), (size_t)m[P]->m.n,                   \
+                            dense ? 0.0f : t[P], dense, counts) < 0)                                          \
+            return -1;                                                                                        \
+        for (int b = 0; b < batch; b++) kl[P] += dense ? m[P]->m.k : counts[b];                              \
+    } while (0)
+
+        for (int b = 0; b < batch; b++) rms_norm(h + (size_t)b * d, s->attn_norm[l], s->x + (size_t)b * d, d, s->eps);
+        GEMV(P_QKV, s->x, s->qkv);
+        for (int b = 0; b < batch; b++) {
+            float *qkv = s->qkv + (size_t)b * nqkv;
+            const float *rot = cis + (size_t)b * hd;
+            for (int head = 0; head < nh + nkv; head++) { /* q and k heads: (a + ib)(c + is) */
+                float *v = qkv + (size_t)head * hd;
+                for (int j = 0; j < half; j++) {
+                    const float a = v[2 * j], bb = v[2 * j + 1], c = rot[2 * j], sn = rot[2 * j + 1];
+                    v[2 * j] = a * c - bb * sn;
+                    v[2 * j + 1] = a * sn + bb * c;
+                }
             }
-            float sum = 0.0f;
-            for (int i = 0; i < n_ctx; i++) sum += (s->scores[i] = expf(s->scores[i] - mx));
-            float *o = s->att + (size_t)head * hd;
-            memset(o, 0, sizeof(float) * hd);
-            for (int i = 0; i < n_ctx; i++) {
-                const float p = s->scores[i] / sum, *v = vc + (size_t)slots[i] * row + off;
-                for (int e = 0; e < hd; e++) o[e] += p * v[e];
+            memcpy(kc + (size_t)slot_new[b] * row, qkv + (size_t)nh * hd, sizeof(float) * row);
+            memcpy(vc + (size_t)slot_new[b] * row, qkv + (size_t)(nh + nkv) * hd, sizeof(float) * row);
+        }
+        for (int b = 0; b < batch; b++) {
+            const int64_t *sl = slots + (size_t)b * slot_stride;
+            const int n_ctx = (int)lens[b];
+            for (int head = 0; head < nh; head++) {
+                const float *q = s->qkv + (size_t)b * nqkv + (size_t)head * hd;
+                const size_t off = (size_t)(head / group) * hd;
+                float mx = -INFINITY;
+                for (int i = 0; i < n_ctx; i++) {
+                    const float *k = kc + (size_t)sl[i] * row + off;
+                    float dot = 0.0f;
+                    for (int e = 0; e < hd; e++) dot += q[e] * k[e];
+                    s->scores[i] = dot * s->scale;
+                    if (s->scores[i] > mx) mx = s->scores[i];
+                }
+                float sum = 0.0f;
+                for (int i = 0; i < n_ctx; i++) sum += (s->scores[i] = expf(s->scores[i] - mx));
+                float *o = s->att + ((size_t)b * nh + head) * hd;
+                memset(o, 0, sizeof(float) * hd);
+                for (int i = 0; i < n_ctx; i++) {
+                    const float p = s->scores[i] / sum, *v = vc + (size_t)sl[i] * row + off;
+                    for (int e = 0; e < hd; e++) o[e] += p * v[e];
+                }
             }
         }
-        GEMV(P_O, s->att, s->out)
-        for (int i = 0; i < d; i++) h[i] += s->out[i];
-        rms_norm(h, s->ffn_norm[l], s->x, d, s->eps);
-        GEMV(P_GU, s->x, s->gu)
-        for (int i = 0; i < ffn; i++) {
-            const float g = s->gu[i];
-            s->act[i] = g / (1.0f + expf(-g)) * s->gu[ffn + i];
+        GEMV(P_O, s->att, s->out);
+        for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
+        for (int b = 0; b < batch; b++) rms_norm(h + (size_t)b * d, s->ffn_norm[l], s->x + (size_t)b * d, d, s->eps);
+        GEMV(P_GU, s->x, s->gu);
+        for (int b = 0; b < batch; b++) {
+            const float *gu = s->gu + (size_t)b * 2 * ffn;
+            float *act = s->act + (size_t)b * ffn;
+            for (int i = 0; i < ffn; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[ffn + i];
         }
-        GEMV(P_DOWN, s->act, s->out)
-        for (int i = 0; i < d; i++) h[i] += s->out[i];
+        GEMV(P_DOWN, s->act, s->out);
+        for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
 #undef GEMV
     }
     return 0;
 }
 
-/* step(h, cis, slots, n_ctx, slot_new, thresholds, kept): addresses of h (d,) float32,
- * cis (head_dim,) float32 [cos, sin] pairs, slots (n_ctx,) int64 (the context, the new token's
- * slot last), thresholds (n_layers * 4,) float32 (<= 0: dense), kept (n_layers * 4,) int64
- * (each projection's columns read are added). */
+/* step(h, cis, slots, slot_stride, lens, slot_new, batch, thresholds, kept): addresses of
+ * h (batch, d) float32, cis (batch, head_dim) float32 [cos, sin] pairs of each row's position,
+ * slots (batch, slot_stride) int64 (row b's context, its new token's slot last, lens[b] of
+ * them), lens (batch,) int64, slot_new (batch,) int64, thresholds (n_layers * 4,) float32
+ * (<= 0: dense), kept (n_layers * 4,) int64 (each projection's inputs read, summed over rows,
+ * are added). */
 static PyObject *Stack_step(StackObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "step(h, cis, slots, n_ctx, slot_new, thresholds, kept)");
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "step(h, cis, slots, slot_stride, lens, slot_new, batch, thresholds, kept)");
         return NULL;
     }
     float *h = addr(args[0]);
     const float *cis = addr(args[1]);
     const int64_t *slots = addr(args[2]);
-    const long n_ctx = PyLong_AsLong(args[3]);
-    const long long slot_new = PyLong_AsLongLong(args[4]);
-    const float *t = addr(args[5]);
-    int64_t *kept = addr(args[6]);
+    const Py_ssize_t stride = PyLong_AsSsize_t(args[3]);
+    const int64_t *lens = addr(args[4]), *slot_new = addr(args[5]);
+    const long batch = PyLong_AsLong(args[6]);
+    const float *t = addr(args[7]);
+    int64_t *kept = addr(args[8]);
     if (PyErr_Occurred()) return NULL;
-    if (!h || !cis || !slots || !t || !kept || n_ctx < 1 || slot_new < 0) {
-        PyErr_SetString(PyExc_ValueError, "step: null address or empty context");
+    if (!h || !cis || !slots || !lens || !slot_new || !t || !kept || stride < 1 || batch < 1 || batch > SI4_MAX_BATCH) {
+        PyErr_Format(PyExc_ValueError, "step: a null address, or batch %ld outside 1..%d", batch, SI4_MAX_BATCH);
         return NULL;
     }
+    for (long b = 0; b < batch; b++)
+        if (lens[b] < 1 || lens[b] > stride || slot_new[b] < 0) {
+            PyErr_SetString(PyExc_ValueError, "step: a row's context is empty or longer than slot_stride");
+            return NULL;
+        }
     int r;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&si4_call_lock);
-    r = stack_step(self, h, cis, slots, (int)n_ctx, slot_new, t, kept);
+    r = stack_step(self, (int)batch, h, cis, slots, (size_t)stride, lens, slot_new, t, kept);
     pthread_mutex_unlock(&si4_call_lock);
     Py_END_ALLOW_THREADS
     if (r < 0) return PyErr_NoMemory();
@@ -229,7 +255,7 @@ static PyObject *Stack_step(StackObject *self, PyObject *const *args, Py_ssize_t
 }
 
 static PyMethodDef Stack_methods[] = {
-    {"step", (PyCFunction)(void (*)(void))Stack_step, METH_FASTCALL, "One decode token through every layer."},
+    {"step", (PyCFunction)(void (*)(void))Stack_step, METH_FASTCALL, "One decode token of each of 1..8 sequences through every layer."},
     {NULL, NULL, 0, NULL},
 };
 
