@@ -71,13 +71,7 @@ class QualityReport:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the report as JSON (to a temporary name first, like every file we write)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_json(path, self.to_dict())
 
     def table(self) -> str:
         delta = (self.output_ppl / self.source_ppl - 1) * 100
@@ -193,3 +187,14 @@ def evaluate_quality(
         eval_text=text_name,
         seconds=round(time.monotonic() - started, 2),
     )
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """``data`` as indented JSON at ``path``, written under a temporary name and renamed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -22,13 +22,12 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from llmlocal.models.spec import SparsitySpec
 
-from .evaluate import BUILTIN_TEXT, compare_log_probs
+from .evaluate import BUILTIN_TEXT, compare_log_probs, write_json
 from .progress import Progress
 from .sparsity import (
     BUILTIN_CALIBRATION_TEXT,
@@ -71,13 +70,7 @@ class SparsityQuality:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the table as JSON (to a temporary name first, like every file we write)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_json(path, self.to_dict())
 
     def ppl_increase(self, row: LevelQuality) -> float:
         return row.ppl / self.dense_ppl - 1.0
