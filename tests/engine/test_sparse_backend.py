@@ -237,3 +237,23 @@ def test_native_decode_stack_gives_the_torch_layers_tokens(sparse: Engine, level
     assert text == want_text
     assert achieved == pytest.approx(want_achieved, abs=1e-3)
     assert achieved == pytest.approx(level, abs=0.08)
+
+
+def test_native_decode_stack_over_a_long_context(sparse: Engine) -> None:
+    """Past 700 tokens of context (many KV blocks, attention split between threads), the
+    native step still gives the torch layers' greedy tokens."""
+    text = " ".join([TEXT] * 2)[:3500]
+    request = Request.chat([{"role": "user", "content": text + "\n\nWhat is this text about?"}],
+                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    sparse.backend.set_sparsity(0.0)
+    try:
+        runs = []
+        for fast in (True, False):
+            FastDecode.enabled = fast
+            done = [e for e in sparse.generate(request) if isinstance(e, DoneEvent)][0]
+            runs.append(done)
+    finally:
+        FastDecode.enabled = True
+        sparse.backend.set_sparsity(0.5)
+    assert runs[0].stats.prompt_tokens > 700
+    assert runs[0].text == runs[1].text

@@ -18,6 +18,7 @@
 #include "binding.h" /* Python.h first */
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -63,7 +64,7 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTuple(args, "(iiiiidd)O!", &d, &nh, &nkv, &hd, &ffn, &eps, &scale, &PyList_Type, &layers))
         return NULL;
     const Py_ssize_t L = PyList_GET_SIZE(layers);
-    if (L < 1 || d < 1 || nh < 1 || nkv < 1 || nh % nkv || hd < 2 || hd % 2 || ffn < 1) {
+    if (L < 1 || d < 1 || nh < 1 || nkv < 1 || nh % nkv || nh / nkv > 64 || hd < 2 || hd % 2 || ffn < 1) {
         PyErr_SetString(PyExc_ValueError, "DecodeStack: bad shape");
         return NULL;
     }
@@ -128,6 +129,73 @@ static void rms_norm(const float *h, const float *w, float *x, int d, float eps)
     for (int i = 0; i < d; i++) x[i] = h[i] * r * w[i];
 }
 
+/* q . k with 16 partial sums: vectorises without reassociating a single running sum. */
+static inline float dot(const float *q, const float *k, int n) {
+    float acc[16] = {0};
+    int e = 0;
+    for (; e + 16 <= n; e += 16)
+        for (int j = 0; j < 16; j++) acc[j] += q[e + j] * k[e + j];
+    float sum = 0.0f;
+    for (int j = 0; j < 16; j++) sum += acc[j];
+    for (; e < n; e++) sum += q[e] * k[e];
+    return sum;
+}
+
+/* Attention of one step, shared out by (sequence, KV head): each unit reads its KV head's
+ * keys and values once for all `group` query heads that share them (GQA), and the pool's
+ * threads take units as they come. */
+typedef struct {
+    StackObject *s;
+    const float *kc, *vc;
+    const int64_t *slots, *lens;
+    size_t slot_stride, scores_per_part;
+    int n_units; /* batch * n_kv */
+    atomic_int next, part_ids;
+} attn_job;
+
+static void attend_part(void *arg, int part, int n_parts) {
+    (void)part, (void)n_parts;
+    attn_job *j = arg;
+    const StackObject *s = j->s;
+    const int nh = s->n_heads, nkv = s->n_kv, hd = s->head_dim, group = nh / nkv;
+    const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
+    /* a scores area of its own: (group, longest) */
+    float *scores = s->scores + (size_t)atomic_fetch_add(&j->part_ids, 1) * j->scores_per_part;
+    for (int u; (u = atomic_fetch_add(&j->next, 1)) < j->n_units;) {
+        const int b = u / nkv, g = u % nkv;
+        const int64_t *sl = j->slots + (size_t)b * j->slot_stride;
+        const int n_ctx = (int)j->lens[b];
+        const size_t off = (size_t)g * hd;
+        const float *q0 = s->qkv + (size_t)b * nqkv + (size_t)g * group * hd; /* its query heads, adjacent */
+        float mx[64];
+        for (int h = 0; h < group; h++) mx[h] = -INFINITY;
+        for (int i = 0; i < n_ctx; i++) {
+            const float *k = j->kc + (size_t)sl[i] * row + off;
+            for (int h = 0; h < group; h++) {
+                const float sc = dot(q0 + (size_t)h * hd, k, hd) * s->scale;
+                scores[(size_t)h * n_ctx + i] = sc;
+                if (sc > mx[h]) mx[h] = sc;
+            }
+        }
+        float inv[64];
+        for (int h = 0; h < group; h++) {
+            float *sc = scores + (size_t)h * n_ctx, sum = 0.0f;
+            for (int i = 0; i < n_ctx; i++) sum += (sc[i] = expf(sc[i] - mx[h]));
+            inv[h] = 1.0f / sum;
+        }
+        float *o0 = s->att + ((size_t)b * nh + (size_t)g * group) * hd;
+        memset(o0, 0, sizeof(float) * (size_t)group * hd);
+        for (int i = 0; i < n_ctx; i++) {
+            const float *v = j->vc + (size_t)sl[i] * row + off;
+            for (int h = 0; h < group; h++) {
+                const float p = scores[(size_t)h * n_ctx + i] * inv[h];
+                float *o = o0 + (size_t)h * hd;
+                for (int e = 0; e < hd; e++) o[e] += p * v[e];
+            }
+        }
+    }
+}
+
 /* One token of each of `batch` (1..SI4_MAX_BATCH) sequences through every layer; h (batch, d)
  * is updated in place. Row b attends to its lens[b] slots slots[b * slot_stride ..] (its own
  * new slot last). Returns 0, or -1 out of memory. */
@@ -138,10 +206,11 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
     int64_t longest = 0;
     for (int b = 0; b < batch; b++) longest = lens[b] > longest ? lens[b] : longest;
-    if ((size_t)longest > s->scores_n) {
-        float *p = realloc(s->scores, sizeof(float) * (size_t)longest);
+    const size_t need = (size_t)si4_pool_size() * (size_t)group * (size_t)longest;
+    if (need > s->scores_n) {
+        float *p = realloc(s->scores, sizeof(float) * need);
         if (!p) return -1;
-        s->scores = p, s->scores_n = (size_t)longest;
+        s->scores = p, s->scores_n = need;
     }
     int32_t counts[SI4_MAX_BATCH];
     for (int l = 0; l < s->n_layers; l++) {
@@ -175,30 +244,12 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
             memcpy(kc + (size_t)slot_new[b] * row, qkv + (size_t)nh * hd, sizeof(float) * row);
             memcpy(vc + (size_t)slot_new[b] * row, qkv + (size_t)(nh + nkv) * hd, sizeof(float) * row);
         }
-        for (int b = 0; b < batch; b++) {
-            const int64_t *sl = slots + (size_t)b * slot_stride;
-            const int n_ctx = (int)lens[b];
-            for (int head = 0; head < nh; head++) {
-                const float *q = s->qkv + (size_t)b * nqkv + (size_t)head * hd;
-                const size_t off = (size_t)(head / group) * hd;
-                float mx = -INFINITY;
-                for (int i = 0; i < n_ctx; i++) {
-                    const float *k = kc + (size_t)sl[i] * row + off;
-                    float dot = 0.0f;
-                    for (int e = 0; e < hd; e++) dot += q[e] * k[e];
-                    s->scores[i] = dot * s->scale;
-                    if (s->scores[i] > mx) mx = s->scores[i];
-                }
-                float sum = 0.0f;
-                for (int i = 0; i < n_ctx; i++) sum += (s->scores[i] = expf(s->scores[i] - mx));
-                float *o = s->att + ((size_t)b * nh + head) * hd;
-                memset(o, 0, sizeof(float) * hd);
-                for (int i = 0; i < n_ctx; i++) {
-                    const float p = s->scores[i] / sum, *v = vc + (size_t)sl[i] * row + off;
-                    for (int e = 0; e < hd; e++) o[e] += p * v[e];
-                }
-            }
-        }
+        attn_job job = {.s = s, .kc = kc, .vc = vc, .slots = slots, .slot_stride = slot_stride, .lens = lens,
+                        .n_units = batch * nkv, .scores_per_part = (size_t)group * (size_t)longest};
+        atomic_init(&job.next, 0);
+        atomic_init(&job.part_ids, 0);
+        const int parts = si4_pool_size() < job.n_units ? si4_pool_size() : job.n_units;
+        si4_pool_run(attend_part, &job, parts);
         GEMV(P_O, s->att, s->out);
         for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
         for (int b = 0; b < batch; b++) rms_norm(h + (size_t)b * d, s->ffn_norm[l], s->x + (size_t)b * d, d, s->eps);
