@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+import os
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Sequence
 
@@ -20,6 +21,7 @@ import numpy as np
 from llmlocal.models.tensor_names import permute_qk
 
 from .encode import decode, encode
+from .errors import write_error
 from .gguf_writer import KV, GGUFStreamWriter
 from .progress import Progress
 from .source import SourceTensor
@@ -56,6 +58,30 @@ def convert_chunk(tensor: SourceTensor, out_type: str, start: int, stop: int) ->
     if tensor.ggml_type == out_type:
         return np.ascontiguousarray(raw)  # same bits: copied through, never rounded
     return encode(decode(raw, tensor.ggml_type), out_type)
+
+
+def write_gguf_file(
+    path: str | os.PathLike[str],
+    metadata: Sequence[KV],
+    planned: Sequence[tuple[SourceTensor, str]],
+    *,
+    workers: int = 2,
+    progress: Progress | None = None,
+    durable: bool = True,
+) -> None:
+    """`write_gguf` into a new file at ``path``; ``durable`` syncs it to disk (the file a
+    rename will publish). A full disk or a denied write is one sentence (`write_error`)."""
+    try:
+        with open(path, "wb") as f:
+            write_gguf(f, metadata, planned, workers=workers, progress=progress)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())  # the rename must not publish a file whose data is still in flight
+    except OSError as e:
+        error = write_error(e, path)
+        if error is None:
+            raise
+        raise error from None
 
 
 def write_gguf(

@@ -36,8 +36,8 @@ from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import SparsitySpec
 
 from . import tensor_types
-from .convert import write_gguf
-from .errors import QuantizeError, write_error
+from .convert import write_gguf_file
+from .errors import QuantizeError
 from .evaluate import (
     BUILTIN_TEXT,
     QualityReport,
@@ -438,16 +438,8 @@ def _write(
 ) -> None:
     progress = session.progress(label)
     try:
-        with open(path, "wb") as f:
-            write_gguf(f, _metadata(source, file_type), planned, workers=session.threads, progress=progress)
-            if final:
-                f.flush()
-                os.fsync(f.fileno())  # the rename must not publish a file whose data is still in flight
-    except OSError as e:
-        error = write_error(e, path)
-        if error is None:
-            raise
-        raise error from None
+        write_gguf_file(path, _metadata(source, file_type), planned, workers=session.threads, progress=progress,
+                        durable=final)
     finally:
         progress.close()
 

@@ -38,8 +38,7 @@ from llmlocal.models.spec import (
     SparsitySpec,
 )
 
-from .convert import write_gguf
-from .errors import write_error
+from .convert import write_gguf_file
 from .evaluate import BUILTIN_TEXT, _windows, builtin_eval_text
 from .gguf_writer import KV
 from .progress import Progress
@@ -262,13 +261,4 @@ def write_with_sparsity(
     metadata = [kv for kv in source.metadata if not kv.key.startswith(SPARSITY_PREFIX)]
     metadata += [KV.u32(k, header.metadata[k]) for k in _KEPT_HEADER_KEYS if k in header.metadata]
     metadata += sparsity_metadata(sparsity)
-    try:
-        with open(dst, "wb") as f:
-            write_gguf(f, metadata, [(t, t.ggml_type) for t in source.tensors], workers=workers, progress=progress)
-            f.flush()
-            os.fsync(f.fileno())  # the rename must not publish a file whose data is still in flight
-    except OSError as e:
-        error = write_error(e, dst)
-        if error is None:
-            raise
-        raise error from None
+    write_gguf_file(dst, metadata, [(t, t.ggml_type) for t in source.tensors], workers=workers, progress=progress)
