@@ -19,18 +19,17 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 from llmlocal.models import ModelSpec, ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
-from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..block_manager import BlockManager
 from ..detokenize import TextStream
 from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter, Proposal
 from ..model.llama import LlamaModel
+from ..model.fast_decode import FastDecode, native_int4
 from ..model.loader import load_gguf, load_hf
 from ..model_runner import ModelRunner, StepItem
 from ..plan import Plan
@@ -66,31 +65,12 @@ class _Stream:
     start_mark: object = None  # a subclass's counters when the request started (`_extra_stats`)
 
 
-def _native_int4(device: torch.device, dtype: torch.dtype) -> Any:
-    """The layer factory for INT4 projections on this device: the native kernels on the CPU in
-    fp32 (dense: no thresholds), or None for torch's INT4 matmul."""
-    if device.type != "cpu" or dtype != torch.float32 or not sparse_int4_runtime.built():
-        return None
-    from ..model.sparse_linear import SparseInt4Projection
-
-    return SparseInt4Projection
-
-
-def _attach_fast_decode(runner: ModelRunner) -> None:
-    """On the CPU, one sequence's decode step in one native call (when every projection runs
-    in the native kernels; see model/fast_decode.py)."""
-    if runner.device.type == "cpu" and sparse_int4_runtime.built():
-        from ..model.fast_decode import FastDecode
-
-        FastDecode.build(runner)
-
-
 def _load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
     """The draft model's network; speculation pays by how much cheaper a draft token is than a
     target step, so INT4 projections take the native kernels where they can."""
     if draft.spec.format != "gguf":
         return load_hf(draft.path, device, dtype, "auto", max_position=n_ctx)
-    return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx, int4=_native_int4(device, dtype))
+    return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx, int4=native_int4(device, dtype))
 
 
 class _EngineFailure:
@@ -172,7 +152,7 @@ class PagedBackend:
         num_blocks = plan.kv_blocks or -(-n_ctx // block_size) * min(plan.max_batch, 4)
         runner = ModelRunner(net, num_blocks, block_size, kv_dtype=dtype)
         if cls is PagedBackend:  # (the sparse backend attaches its own, with thresholds)
-            _attach_fast_decode(runner)
+            FastDecode.attach(runner)
         if device.type == "cuda" and os.environ.get("LLMLOCAL_CUDA_GRAPHS", "1") != "0":
             runner.enable_cuda_graphs(plan.max_batch, n_ctx)
         if drafter is None and plan.draft == "ngram":
@@ -181,7 +161,7 @@ class PagedBackend:
             draft = resolve(plan.draft)
             check_same_vocabulary(spec, draft.spec, plan.draft)
             draft_runner = ModelRunner(_load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=dtype)
-            _attach_fast_decode(draft_runner)
+            FastDecode.attach(draft_runner)
             drafter = DraftModel(draft_runner)
         return cls(runner, tokenizer, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)
 
@@ -189,7 +169,7 @@ class PagedBackend:
     def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
         """The target model's network (a subclass may build its layers differently)."""
         if model.spec.format == "gguf":
-            int4 = _native_int4(device, dtype) if plan.weights in ("auto", "int4") else None
+            int4 = native_int4(device, dtype) if plan.weights in ("auto", "int4") else None
             return load_gguf(model.spec, device, dtype, plan.weights, max_position=n_ctx, int4=int4)
         return load_hf(model.path, device, dtype, plan.weights, max_position=n_ctx)
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.native.sparse_int4 import kernels
+from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..model_runner import ModelRunner
 from .attention import AttentionMetadata
@@ -29,6 +30,14 @@ _ORDER = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
 assert set(_ORDER) == set(SPARSITY_PROJECTIONS)
 _ATTRS = ("qkv", "o_proj", "gate_up", "down")
 MAX_ROWS = 8  # sequences per native call (the kernels' batch)
+
+
+def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Projection] | None:
+    """The layer for INT4 projections on this device: the native kernels on the CPU in fp32
+    (dense until thresholds are set), or None for torch's INT4 matmul."""
+    if device.type != "cpu" or dtype != torch.float32 or not sparse_int4_runtime.built():
+        return None
+    return SparseInt4Projection
 
 
 class FastDecode:
@@ -50,12 +59,20 @@ class FastDecode:
         self.thresholds = np.zeros(n * 4, dtype=np.float32)
         self.kept = np.zeros(n * 4, dtype=np.int64)
         shapes = [(getattr(layer, a).in_features, getattr(layer, a).out_features) for layer in model.layers for a in _ATTRS]
-        self.k = np.array([k for k, _ in shapes], dtype=np.int64)
-        self.kn = np.array([k * n for k, n in shapes], dtype=np.int64)
+        self.out_features = np.array([n for _, n in shapes], dtype=np.int64)
+        self.weights_per_row = sum(k * n for k, n in shapes)  # entries a token asks for
         self.tokens = 0
         self.cis = torch.view_as_real(model.rotary.cis).contiguous()  # (P, D/2, 2) float32: [cos, sin]
         self._generic = model.forward
         model.forward = self.forward  # type: ignore[method-assign]
+
+    @classmethod
+    def attach(cls, runner: ModelRunner) -> FastDecode | None:
+        """On the CPU with the kernels built, the fast path for this runner's model (when it
+        can take it; see `build`)."""
+        if runner.device.type != "cpu" or not sparse_int4_runtime.built():
+            return None
+        return cls.build(runner)
 
     @classmethod
     def build(cls, runner: ModelRunner) -> FastDecode | None:
@@ -76,8 +93,8 @@ class FastDecode:
 
     def counts(self) -> tuple[int, int]:
         """(weight entries skipped, weight entries asked for) by the fast path so far."""
-        total = int(self.kn.sum()) * self.tokens
-        read = int((self.kept * (self.kn // self.k)).sum())
+        total = self.weights_per_row * self.tokens
+        read = int((self.kept * self.out_features).sum())
         return total - read, total
 
     def forward(
