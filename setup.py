@@ -48,9 +48,9 @@ class BuildExt(build_ext):
 def sparse_int4_extension() -> Extension:
     ext = Extension(
         "llmlocal.native.sparse_int4._kernels",
-        sources=[f"{CSRC}/{name}" for name in ("module.c", "decode_stack.c", "pool.c", "dispatch.c", "isa_scalar.c")],
+        sources=[f"{CSRC}/{name}" for name in ("module.c", "decode_stack.c", "int8_gemv.c", "pool.c", "dispatch.c", "isa_scalar.c")],
         include_dirs=[CSRC],
-        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "binding.h", "kernel_body.h", "prep_body.h")] + list(ISA_SOURCES),
+        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES),
         extra_compile_args=["-std=c11", "-O3", "-pthread", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],
         libraries=["m"],

@@ -62,7 +62,7 @@ class SparseBackend(PagedBackend):
         backend = super().load(model, plan.replace(device="cpu", dtype="fp32"), drafter)
         assert isinstance(backend, SparseBackend)
         backend.model_spec = spec
-        backend._stack = FastDecode.build(backend.runner)
+        backend._stack = FastDecode.attach(backend.runner)
         backend.set_sparsity(plan.sparsity if plan.sparsity is not None else spec.sparsity.level)  # type: ignore[union-attr]
         return backend
 

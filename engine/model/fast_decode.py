@@ -23,7 +23,9 @@ from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..model_runner import ModelRunner
 from .attention import AttentionMetadata
-from .sparse_linear import SparseInt4Projection
+from .linear import Int8Linear
+from .llama import LlamaModel
+from .sparse_linear import NativeInt8Linear, SparseInt4Projection
 
 # the order of a layer's projections in DecodeStack, by calibration name
 _ORDER = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
@@ -38,6 +40,15 @@ def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Proj
     if device.type != "cpu" or dtype != torch.float32 or not sparse_int4_runtime.built():
         return None
     return SparseInt4Projection
+
+
+def native_head(model: LlamaModel) -> None:
+    """Move an INT8 output head (a tied quantized embedding, or an INT8 `lm_head`) onto the
+    native INT8 GEMV; the embedding lookup keeps reading the same rows."""
+    if type(model.embed_int8) is Int8Linear:
+        model.embed_int8 = NativeInt8Linear.of(model.embed_int8)
+    if type(model.lm_head) is Int8Linear:
+        model.lm_head = NativeInt8Linear.of(model.lm_head)
 
 
 class FastDecode:
@@ -68,10 +79,11 @@ class FastDecode:
 
     @classmethod
     def attach(cls, runner: ModelRunner) -> FastDecode | None:
-        """On the CPU with the kernels built, the fast path for this runner's model (when it
-        can take it; see `build`)."""
-        if runner.device.type != "cpu" or not sparse_int4_runtime.built():
+        """On the CPU in fp32 with the kernels built: the INT8 head through the native GEMV,
+        and the fast path for this runner's model (when it can take it; see `build`)."""
+        if native_int4(runner.device, runner.model.dtype) is None:
             return None
+        native_head(runner.model)
         return cls.build(runner)
 
     @classmethod

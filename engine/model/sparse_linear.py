@@ -1,5 +1,7 @@
-"""Linear layers of the `sparse` backend: INT4 GEMV through the native kernels that skip the
-weight columns of small inputs, and a thresholding wrapper for projections that are not INT4.
+"""Linear layers of the native CPU path (backend `sparse`, and `paged` on the CPU in fp32):
+INT4 GEMV through the native kernels that skip the weight columns of small inputs, a
+thresholding wrapper for projections that are not INT4, and the INT8 output head through the
+native INT8 GEMV.
 
 Each projection input x gets its layer's calibrated threshold t (see `model/sparsity.py`):
 x_j with |x_j| <= t counts as zero, so column j of the weight is never read. t = 0 (or None)
@@ -15,10 +17,11 @@ from __future__ import annotations
 import time
 
 import torch
-from llmlocal.native.sparse_int4 import SparseInt4Linear
+from llmlocal.native.sparse_int4 import Int8RowsLinear, SparseInt4Linear
 from torch import nn
 
 from .gguf_tensors import Int4Codes
+from .linear import Int8Linear
 from .sparsity import threshold_activations
 
 
@@ -114,3 +117,30 @@ class ThresholdedLinear(_Counted):
 
 
 SparseProjection = SparseInt4Projection | ThresholdedLinear
+
+
+class NativeInt8Linear(Int8Linear):
+    """An `Int8Linear` (per-row INT8, an output head) through the native INT8 GEMV: fp32
+    activations and logits, the same thread pool as the INT4 kernels (torch's int8 matmul
+    wants bf16 activations, and its own threads fight the pool's for the two cores)."""
+
+    @classmethod
+    def of(cls, layer: Int8Linear) -> NativeInt8Linear:
+        """The same weight, scales and bias (shared, not copied) through the kernel."""
+        native = cls.__new__(cls)
+        nn.Module.__init__(native)
+        native.register_buffer("qweight", layer.qweight, persistent=False)
+        native.register_buffer("scale", layer.scale, persistent=False)
+        native.bias = layer.bias
+        native.out_features = layer.out_features
+        native._scale32 = layer.scale.float().contiguous().numpy()  # the kernel's scales (kept alive)
+        native.kernel = Int8RowsLinear(layer.qweight.numpy(), native._scale32)
+        return native
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        y = self.kernel(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)

@@ -5,15 +5,16 @@
     y = lin(x, threshold=t)     # columns j with |x_j| <= t are not read; lin.sparsity says how many
 
 The set: `layout.py` (the packed byte layout, built in numpy), `csrc/` (the C kernels: sparse,
-dense and 2-8-row batch GEMV, row-parallel on a persistent thread pool, AVX-512 / AVX2 /
-portable variants picked at load time), `reference.py` (numpy reference and error bound),
+dense and 2-8-row batch GEMV, a per-row INT8 GEMV for output heads (`Int8RowsLinear`), all
+row-parallel on a persistent thread pool, AVX-512 / AVX2 / portable variants picked at load
+time, and `DecodeStack`, a decoder's layers in one call), `reference.py` (numpy reference and error bound),
 `bench.py` (GB/s; `python -m llmlocal.native.sparse_int4.bench`). Settings: `runtime.py`.
 """
 
 from __future__ import annotations
 
 from .layout import PackedInt4, pack_int4
-from .linear import SparseInt4Linear
+from .linear import Int8RowsLinear, SparseInt4Linear
 from .runtime import (
     KernelsUnavailableError,
     available_isas,
@@ -27,6 +28,7 @@ from .runtime import (
 )
 
 __all__ = [
+    "Int8RowsLinear",
     "KernelsUnavailableError",
     "PackedInt4",
     "SparseInt4Linear",

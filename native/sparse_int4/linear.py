@@ -128,6 +128,31 @@ class SparseInt4Linear:
         self.kept_columns, self.columns_read, self.rows_kept = kept, read, rows
 
 
+class Int8RowsLinear:
+    """y = W x for a row-major INT8 weight (N out, K in) with one float32 scale per row: an
+    output head, read once per decode step by the same thread pool as the INT4 kernels.
+
+    No copies: ``w`` (N, K) int8 and ``scale`` (N,) float32 must be C-contiguous numpy arrays
+    (kept alive by the matrix); x (B, K) and out (B, N) contiguous float32 CPU tensors."""
+
+    def __init__(self, w: np.ndarray, scale: np.ndarray) -> None:
+        self._matrix = kernels().Int8Matrix(w, scale)
+        self.out_features, self.in_features = self._matrix.shape
+
+    def forward(self, x: Any, out: Any = None) -> Any:
+        n, k = self.out_features, self.in_features
+        f32 = _torch_float32()
+        if x.dtype is not f32 or not x.is_cpu or not x.is_contiguous() or x.ndim != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be a contiguous float32 CPU tensor of shape (B, {k}), got {tuple(x.shape)} {x.dtype}")
+        if out is None:
+            out = x.new_empty((x.shape[0], n))
+        if x.shape[0]:
+            self._matrix.gemv(x.data_ptr(), out.data_ptr(), x.shape[0], k, n)
+        return out
+
+    __call__ = forward
+
+
 _F32: Any = None
 
 

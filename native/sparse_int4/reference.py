@@ -77,3 +77,37 @@ def error_bound(packed: PackedInt4, x: np.ndarray, threshold: float | None) -> n
     mag = ax @ coef.T  # (B, N)
     bound = (2 * g + packed.n_groups + 4) * FP32_EPS * mag
     return bound.reshape(-1) if np.ndim(x) == 1 else bound
+
+
+INT8_BLOCK = 32
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What the INT8 GEMV does to x (B, K) first: per block of 32 inputs, dx = max |x| / 127 and
+    qx = round(x / dx), rounding halves away from zero, in float32 as the C code does. Returns
+    qx (B, K) int8 and dx (B, ceil(K / 32)) float32."""
+    x = np.atleast_2d(np.asarray(x, dtype=np.float32))
+    b, k = x.shape
+    nblk = -(-k // INT8_BLOCK)
+    pad = np.zeros((b, nblk * INT8_BLOCK), dtype=np.float32)
+    pad[:, :k] = x
+    blocks = pad.reshape(b, nblk, INT8_BLOCK)
+    dx = np.abs(blocks).max(axis=2) / np.float32(127.0)
+    with np.errstate(divide="ignore"):
+        inv = np.where(dx > 0, np.float32(1.0) / dx, np.float32(0.0)).astype(np.float32)
+    v = blocks * inv[:, :, None]
+    q = np.trunc(v + np.copysign(np.float32(0.5), v))  # C's roundf
+    return q.reshape(b, -1)[:, :k].astype(np.int8), dx.astype(np.float32)
+
+
+def int8_gemv_reference(w: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y (B, N) float64 = scale_n * sum_blocks dx_b,blk * (exact integer block sums of W qx)."""
+    qx, dx = quantize_activations(x)
+    b, k = qx.shape
+    nblk = dx.shape[1]
+    w64 = np.asarray(w, dtype=np.int64)
+    sums = np.zeros((b, w.shape[0], nblk), dtype=np.float64)
+    for blk in range(nblk):
+        j = slice(blk * INT8_BLOCK, min(k, (blk + 1) * INT8_BLOCK))
+        sums[:, :, blk] = qx[:, j].astype(np.int64) @ w64[:, j].T
+    return (sums * dx[:, None, :].astype(np.float64)).sum(axis=2) * np.asarray(scale, dtype=np.float64)

@@ -18,10 +18,10 @@ from llmlocal.engine import Engine, Plan
 from llmlocal.engine.backends.paged import PagedBackend
 from llmlocal.engine.backends.sparse import SparseBackend
 from llmlocal.engine.planner import Pins, plan_model
-from llmlocal.engine.model.fast_decode import FastDecode
+from llmlocal.engine.model.fast_decode import FastDecode, native_head
 from llmlocal.engine.model.sparse_linear import SparseInt4Projection
 from llmlocal.engine.model.sparsity import ProjectionHooks, projection_modules, threshold_activations
-from llmlocal.engine.types import DoneEvent, Request, SamplingParams
+from llmlocal.engine.types import DoneEvent, Request, SamplingParams, TokenEvent
 from llmlocal.models import resolve
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.quant.sparsity import split_builtin_text
@@ -44,9 +44,11 @@ def sparse(sparse_starter: tuple[Path, dict]) -> Engine:
 @pytest.fixture(scope="module")
 def reference(sparse_starter: tuple[Path, dict]) -> Engine:
     """The same file in the paged engine, fp32, every projection dequantized exactly, with the
-    INT8 tied head the sparse backend uses too."""
+    INT8 tied head the sparse backend uses too (through the same native GEMV)."""
     with Engine.load(Plan(model=str(sparse_starter[0]), backend="paged", weights="dense", dtype="fp32", n_ctx=1024)) as e:
-        e.backend.runner.model.quantize_tied_head()
+        model = e.backend.runner.model
+        model.quantize_tied_head()
+        native_head(model)
         yield e
 
 
@@ -69,8 +71,8 @@ def test_level_zero_gives_the_dense_logits(sparse: Engine, reference: Engine) ->
     want = reference.backend.log_probs(ids)
     assert got.shape == want.shape == (96, sparse.model.spec.vocab_size)
     # fp32 projections both ways, only the order of the sums differs; the shared INT8 head
-    # rounds its logits to bf16 (steps of 0.125 at -20), so a hair's difference in the hidden
-    # state can move a logit by a step: compare distributions, not single logits
+    # quantizes its input per block of 32, so a hair's difference in the hidden state can move
+    # an input by a quantization step: compare distributions, not single logits
     tv = 0.5 * np.abs(np.exp(got) - np.exp(want)).sum(-1)
     print(f"\nlevel 0 vs dense: TV mean {tv.mean():.2e} max {tv.max():.2e}, median |dlogp| {np.median(np.abs(got - want)):.1e}")
     assert np.median(np.abs(got - want)) < 1e-4
@@ -181,18 +183,30 @@ def test_sparse_refuses_cuda(sparse_starter: tuple[Path, dict]) -> None:
         SparseBackend.load(resolve(str(sparse_starter[0])), Plan(model=str(sparse_starter[0]), device="cuda"))
 
 
-def test_generation_matches_the_paged_engine_at_level_zero(sparse_starter: tuple[Path, dict]) -> None:
-    """Greedy text through the kernels at 0 equals the fp32 dense paged engine's (same head)."""
+def test_generation_at_level_zero_follows_the_dense_model(sparse_starter: tuple[Path, dict]) -> None:
+    """Greedy decoding through the kernels (DecodeStack) at 0 picks, at every step, the top
+    token of the fp32 dense paged engine (same head) on the same context, or a near tie.
+
+    Not text equality: the INT8 head quantizes its input per block of 32, so two exact
+    implementations that sum in different orders may break a near tie differently, and the
+    texts part from there on. A near tie is a log-probability within 0.05 of the top one; a
+    wrong position, cache slot or rotation loses whole nats."""
     path = str(sparse_starter[0])
-    params = SamplingParams(temperature=0, max_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     request = Request.chat([{"role": "user", "content": "Name three rivers."}], params)
     with Engine.load(Plan(model=path, backend="sparse", sparsity=0.0, n_ctx=512)) as e:
-        got = [ev for ev in e.generate(request) if isinstance(ev, DoneEvent)][0].text
+        prompt = e.prompt_ids(request)
+        got = [t for ev in e.generate(request) if isinstance(ev, TokenEvent) for t in ev.token_ids]
+    assert len(got) == 48
     with Engine.load(Plan(model=path, backend="paged", weights="dense", dtype="fp32", n_ctx=512)) as e:
         assert isinstance(e.backend, PagedBackend)
         e.backend.runner.model.quantize_tied_head()
-        want = [ev for ev in e.generate(request) if isinstance(ev, DoneEvent)][0].text
-    assert got == want
+        native_head(e.backend.runner.model)
+        lp = e.backend.log_probs(prompt + got)[len(prompt) - 1 :]  # row i predicts got[i]
+    margin = lp.max(-1) - lp[np.arange(len(got)), got]
+    print(f"\nlevel 0 greedy vs dense: {np.mean(margin == 0):.0%} top-1, largest margin {margin.max():.3f}")
+    assert margin.max() < 0.05
+    assert np.mean(margin == 0) >= 0.9
 
 
 def test_a_4bit_output_head_runs_in_the_kernels_too(tmp_path: Path) -> None:

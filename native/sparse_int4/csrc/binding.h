@@ -18,6 +18,9 @@ extern PyTypeObject si4_matrix_type; /* Matrix (module.c) */
 extern PyTypeObject si4_stack_type;  /* DecodeStack (decode_stack.c) */
 extern pthread_mutex_t si4_call_lock;
 
+/* The ISA whose kernels run (set_isa), read under si4_call_lock. */
+int si4_current_isa(void);
+
 /* y = W x' for `batch` rows under si4_call_lock; the columns read (the union over the rows),
  * or -1 when out of memory. */
 int si4_gemv_locked(const si4_matrix *m, const float *px, size_t x_stride, int batch, float *py, size_t y_stride,

@@ -129,23 +129,12 @@ static void rms_norm(const float *h, const float *w, float *x, int d, float eps)
     for (int i = 0; i < d; i++) x[i] = h[i] * r * w[i];
 }
 
-/* q . k with 16 partial sums: vectorises without reassociating a single running sum. */
-static inline float dot(const float *q, const float *k, int n) {
-    float acc[16] = {0};
-    int e = 0;
-    for (; e + 16 <= n; e += 16)
-        for (int j = 0; j < 16; j++) acc[j] += q[e + j] * k[e + j];
-    float sum = 0.0f;
-    for (int j = 0; j < 16; j++) sum += acc[j];
-    for (; e < n; e++) sum += q[e] * k[e];
-    return sum;
-}
-
 /* Attention of one step, shared out by (sequence, KV head): each unit reads its KV head's
- * keys and values once for all `group` query heads that share them (GQA), and the pool's
- * threads take units as they come. */
+ * keys and values once for all `group` query heads that share them (GQA; attn_body.h), and the
+ * pool's threads take units as they come. */
 typedef struct {
     StackObject *s;
+    si4_attend_fn attend;
     const float *kc, *vc;
     const int64_t *slots, *lens;
     size_t slot_stride, scores_per_part;
@@ -158,41 +147,18 @@ static void attend_part(void *arg, int part, int n_parts) {
     attn_job *j = arg;
     const StackObject *s = j->s;
     const int nh = s->n_heads, nkv = s->n_kv, hd = s->head_dim, group = nh / nkv;
-    const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
+    const size_t nqkv = (size_t)(nh + 2 * nkv) * hd;
     /* a scores area of its own: (group, longest) */
     float *scores = s->scores + (size_t)atomic_fetch_add(&j->part_ids, 1) * j->scores_per_part;
     for (int u; (u = atomic_fetch_add(&j->next, 1)) < j->n_units;) {
         const int b = u / nkv, g = u % nkv;
-        const int64_t *sl = j->slots + (size_t)b * j->slot_stride;
-        const int n_ctx = (int)j->lens[b];
-        const size_t off = (size_t)g * hd;
-        const float *q0 = s->qkv + (size_t)b * nqkv + (size_t)g * group * hd; /* its query heads, adjacent */
-        float mx[64];
-        for (int h = 0; h < group; h++) mx[h] = -INFINITY;
-        for (int i = 0; i < n_ctx; i++) {
-            const float *k = j->kc + (size_t)sl[i] * row + off;
-            for (int h = 0; h < group; h++) {
-                const float sc = dot(q0 + (size_t)h * hd, k, hd) * s->scale;
-                scores[(size_t)h * n_ctx + i] = sc;
-                if (sc > mx[h]) mx[h] = sc;
-            }
-        }
-        float inv[64];
-        for (int h = 0; h < group; h++) {
-            float *sc = scores + (size_t)h * n_ctx, sum = 0.0f;
-            for (int i = 0; i < n_ctx; i++) sum += (sc[i] = expf(sc[i] - mx[h]));
-            inv[h] = 1.0f / sum;
-        }
-        float *o0 = s->att + ((size_t)b * nh + (size_t)g * group) * hd;
-        memset(o0, 0, sizeof(float) * (size_t)group * hd);
-        for (int i = 0; i < n_ctx; i++) {
-            const float *v = j->vc + (size_t)sl[i] * row + off;
-            for (int h = 0; h < group; h++) {
-                const float p = scores[(size_t)h * n_ctx + i] * inv[h];
-                float *o = o0 + (size_t)h * hd;
-                for (int e = 0; e < hd; e++) o[e] += p * v[e];
-            }
-        }
+        const si4_attn_unit unit = {
+            .q = s->qkv + (size_t)b * nqkv + (size_t)g * group * hd, /* its query heads, adjacent */
+            .kc = j->kc, .vc = j->vc, .slots = j->slots + (size_t)b * j->slot_stride, .n_ctx = (int)j->lens[b],
+            .group = group, .hd = hd, .row = (size_t)nkv * hd, .off = (size_t)g * hd, .scale = s->scale,
+            .scores = scores, .out = s->att + ((size_t)b * nh + (size_t)g * group) * hd,
+        };
+        j->attend(&unit);
     }
 }
 
@@ -213,6 +179,7 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
         s->scores = p, s->scores_n = need;
     }
     int32_t counts[SI4_MAX_BATCH];
+    const si4_attend_fn attend = si4_attend_for(si4_current_isa());
     for (int l = 0; l < s->n_layers; l++) {
         MatrixObject **m = s->proj + (size_t)l * N_PROJ;
         const float *t = thresholds + (size_t)l * N_PROJ;
@@ -244,7 +211,7 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
             memcpy(kc + (size_t)slot_new[b] * row, qkv + (size_t)nh * hd, sizeof(float) * row);
             memcpy(vc + (size_t)slot_new[b] * row, qkv + (size_t)(nh + nkv) * hd, sizeof(float) * row);
         }
-        attn_job job = {.s = s, .kc = kc, .vc = vc, .slots = slots, .slot_stride = slot_stride, .lens = lens,
+        attn_job job = {.s = s, .attend = attend, .kc = kc, .vc = vc, .slots = slots, .slot_stride = slot_stride, .lens = lens,
                         .n_units = batch * nkv, .scores_per_part = (size_t)group * (size_t)longest};
         atomic_init(&job.next, 0);
         atomic_init(&job.part_ids, 0);

@@ -38,6 +38,25 @@ si4_prepare_fn si4_prepare_for(int isa) {
     return si4_prepare_scalar;
 }
 
+si8_kernel_fn si8_kernel_for(int isa) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (isa == SI4_ISA_AVX512)
+        return __builtin_cpu_supports("avx512vnni") ? si8_kernel_avx512vnni : si8_kernel_avx2;
+    if (isa == SI4_ISA_AVX2) return si8_kernel_avx2;
+#endif
+    (void)isa;
+    return si8_kernel_scalar;
+}
+
+si4_attend_fn si4_attend_for(int isa) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (isa == SI4_ISA_AVX512) return si4_attend_avx512;
+    if (isa == SI4_ISA_AVX2) return si4_attend_avx2;
+#endif
+    (void)isa;
+    return si4_attend_scalar;
+}
+
 const char *si4_isa_name(int isa) {
     switch (isa) {
     case SI4_ISA_AVX512: return "avx512";

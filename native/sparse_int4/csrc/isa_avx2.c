@@ -1,6 +1,7 @@
 /* AVX2 + FMA variant: compiled with -mavx2 -mfma -mf16c (see setup.py), called only when the
  * CPU reports those features. Row block: 64 rows = 8 ymm accumulators (16 ymm registers). */
 #include <immintrin.h>
+#include <string.h>
 
 typedef __m256 vf;
 #define VW 8
@@ -29,5 +30,73 @@ typedef __m256 vf;
 
 #include "kernel_body.h"
 
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define V_HSUM(v) hsum256(v)
+#define ATTN_NAME si4_attend_avx2
+#include "attn_body.h"
+
 #define PREPARE_NAME si4_prepare_avx2
 #include "prep_body.h"
+
+/* The INT8 GEMV (see int8_gemv.c): 32 inputs (one block of x) a step. vpmaddubsw multiplies
+ * |qx| (unsigned) by the weights given qx's sign (vpsignb) and adds pairs (at most
+ * 2 * 127 * 127: no saturation); vpmaddwd adds pairs again, so each int32 lane holds the sum
+ * of four products, scaled by the block's dx and summed in fp32. */
+static inline __m256 i8_chunk(__m256i wv, __m256i ux, __m256i sx, __m256 d, __m256 acc) {
+    const __m256i p16 = _mm256_maddubs_epi16(ux, _mm256_sign_epi8(wv, sx));
+    const __m256i p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), d, acc);
+}
+
+/* 32 weights at p, of which the first `len` are the row's (the rest read as 0, never past it) */
+static inline __m256i i8_load(const int8_t *p, int len) {
+    if (len >= 32) return _mm256_loadu_si256((const __m256i *)p);
+    int8_t tmp[32] = {0};
+    memcpy(tmp, p, (size_t)len);
+    return _mm256_loadu_si256((const __m256i *)tmp);
+}
+
+void si8_kernel_avx2(const int8_t *w, const float *scale, int k, const si8_acts *a, int r0, int r1, float *y,
+                     size_t y_stride) {
+    const int nc = (k + 31) / 32;
+    int n = r0;
+    if (a->batch == 1) {
+        for (; n + 4 <= r1; n += 4) {
+            const int8_t *w0 = w + (size_t)n * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int c = 0; c < nc; c++) {
+                const int len = k - 32 * c;
+                const __m256i ux = _mm256_loadu_si256((const __m256i *)(a->ax + 32 * c));
+                const __m256i sx = _mm256_loadu_si256((const __m256i *)(a->qx + 32 * c));
+                const __m256 d = _mm256_loadu_ps(a->dxv + 8 * c);
+                a0 = i8_chunk(i8_load(w0 + 32 * c, len), ux, sx, d, a0);
+                a1 = i8_chunk(i8_load(w1 + 32 * c, len), ux, sx, d, a1);
+                a2 = i8_chunk(i8_load(w2 + 32 * c, len), ux, sx, d, a2);
+                a3 = i8_chunk(i8_load(w3 + 32 * c, len), ux, sx, d, a3);
+            }
+            y[n] = scale[n] * hsum256(a0);
+            y[n + 1] = scale[n + 1] * hsum256(a1);
+            y[n + 2] = scale[n + 2] * hsum256(a2);
+            y[n + 3] = scale[n + 3] * hsum256(a3);
+        }
+    }
+    for (; n < r1; n++) { /* one row of W at a time for every row of x */
+        const int8_t *wr = w + (size_t)n * k;
+        for (int b = 0; b < a->batch; b++) {
+            const uint8_t *ax = a->ax + (size_t)b * a->kpad;
+            const int8_t *qx = a->qx + (size_t)b * a->kpad;
+            const float *dxv = a->dxv + (size_t)b * a->kpad / 4;
+            __m256 acc = _mm256_setzero_ps();
+            for (int c = 0; c < nc; c++)
+                acc = i8_chunk(i8_load(wr + 32 * c, k - 32 * c), _mm256_loadu_si256((const __m256i *)(ax + 32 * c)),
+                               _mm256_loadu_si256((const __m256i *)(qx + 32 * c)), _mm256_loadu_ps(dxv + 8 * c), acc);
+            y[(size_t)b * y_stride + n] = scale[n] * hsum256(acc);
+        }
+    }
+}

@@ -57,5 +57,63 @@ static inline __attribute__((always_inline)) int compact16(const float *x, size_
 
 #include "kernel_body.h"
 
+#define V_HSUM(v) _mm512_reduce_add_ps(v)
+#define ATTN_NAME si4_attend_avx512
+#include "attn_body.h"
+
 #define PREPARE_NAME si4_prepare_avx512
 #include "prep_body.h"
+
+
+/* With AVX-512 VNNI: vpdpbusd multiplies 64 unsigned by 64 signed bytes and sums each four
+ * into an int32 lane, so the unsigned side is |qx| and the weights take qx's sign (negated
+ * where qx < 0; |W| <= 127 keeps that exact). Lanes 0-7 of a 64-input chunk belong to one
+ * block of x, 8-15 to the next: each lane is scaled by its block's dx (a->dxv) and summed in
+ * fp32. One row of x: four rows of W share each chunk of x. */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+VNNI static inline __m512 i8_chunk(const int8_t *wp, __mmask64 m, __m512i u, __mmask64 neg, __m512 d, __m512 acc) {
+    const __m512i wv = _mm512_maskz_loadu_epi8(m, wp);
+    const __m512i sw = _mm512_mask_sub_epi8(wv, neg, _mm512_setzero_si512(), wv);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sw)), d, acc);
+}
+
+VNNI void si8_kernel_avx512vnni(const int8_t *w, const float *scale, int k, const si8_acts *a, int r0, int r1,
+                                float *y, size_t y_stride) {
+    const int nc = a->kpad / 64;
+    const __mmask64 last = k % 64 ? ((__mmask64)1 << (k % 64)) - 1 : ~(__mmask64)0; /* bytes of the last chunk */
+    int n = r0;
+    if (a->batch == 1) {
+        for (; n + 4 <= r1; n += 4) {
+            const int8_t *w0 = w + (size_t)n * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int c = 0; c < nc; c++) {
+                const __mmask64 m = c == nc - 1 ? last : ~(__mmask64)0, neg = a->neg[c];
+                const __m512i u = _mm512_loadu_si512(a->ax + 64 * c);
+                const __m512 d = _mm512_loadu_ps(a->dxv + 16 * c);
+                a0 = i8_chunk(w0 + 64 * c, m, u, neg, d, a0);
+                a1 = i8_chunk(w1 + 64 * c, m, u, neg, d, a1);
+                a2 = i8_chunk(w2 + 64 * c, m, u, neg, d, a2);
+                a3 = i8_chunk(w3 + 64 * c, m, u, neg, d, a3);
+            }
+            y[n] = scale[n] * _mm512_reduce_add_ps(a0);
+            y[n + 1] = scale[n + 1] * _mm512_reduce_add_ps(a1);
+            y[n + 2] = scale[n + 2] * _mm512_reduce_add_ps(a2);
+            y[n + 3] = scale[n + 3] * _mm512_reduce_add_ps(a3);
+        }
+    }
+    /* one row of W at a time for every row of x (the row stays in L1) */
+    for (; n < r1; n++) {
+        const int8_t *wr = w + (size_t)n * k;
+        for (int b = 0; b < a->batch; b++) {
+            const uint8_t *ax = a->ax + (size_t)b * a->kpad;
+            const uint64_t *neg = a->neg + (size_t)b * nc;
+            const float *dxv = a->dxv + (size_t)b * a->kpad / 4;
+            __m512 acc = _mm512_setzero_ps();
+            for (int c = 0; c < nc; c++)
+                acc = i8_chunk(wr + 64 * c, c == nc - 1 ? last : ~(__mmask64)0, _mm512_loadu_si512(ax + 64 * c),
+                               neg[c], _mm512_loadu_ps(dxv + 16 * c), acc);
+            y[(size_t)b * y_stride + n] = scale[n] * _mm512_reduce_add_ps(acc);
+        }
+    }
+}

@@ -48,5 +48,12 @@ static inline float half_to_float(uint16_t h) {
 
 #include "kernel_body.h"
 
+#define V_HSUM(v) (v)
+#define ATTN_NAME si4_attend_scalar
+#include "attn_body.h"
+
 #define PREPARE_NAME si4_prepare_scalar
 #include "prep_body.h"
+
+#define I8_NAME si8_kernel_scalar
+#include "int8_body.h"

@@ -5,7 +5,11 @@
  *       x, y, counts: an int address (torch's data_ptr()) or a C-contiguous buffer (numpy; its
  *       format is checked);
  *       x: (batch, x_stride) float32, y: (batch, y_stride) float32, counts: (batch,) int32 or None
- *   DecodeStack(config, layers).step(...)    a decoder's layers for one batch-1 decode token
+ *   Int8Matrix(w, scale)                       a row-major INT8 weight (N, K), values in [-127, 127],
+ *                                              with one float32 scale per row (an output head);
+ *                                              kept alive, no copy
+ *   Int8Matrix.gemv(x, y, batch, x_stride, y_stride)   y = W x (x quantized per 32, see int8_gemv.c)
+ *   DecodeStack(config, layers).step(...)    a decoder's layers for one decode token of 1-8 sequences
  *   set_isa(name) / isa() / best_isa(), set_num_threads(n) / num_threads(),
  *   set_spin_us(us) / spin_us(), set_min_part_bytes(b) / min_part_bytes(),
  *   tuning knobs: set_split_mode(m), set_pieces_per_thread(n), set_prefetch_ahead(bytes)
@@ -22,6 +26,7 @@
 pthread_mutex_t si4_call_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_best_isa, g_isa;
 static si4_kernel_fn g_kernel;
+static si8_kernel_fn g_kernel8;
 static si4_prepare_fn g_prepare;
 static size_t g_min_part_bytes = 32768; /* below this much weight data per thread, use fewer threads */
 static int g_pieces_per_thread = 1; /* by rows: more bound the wait on a descheduled worker */
@@ -29,6 +34,8 @@ static int g_pieces_per_thread = 1; /* by rows: more bound the wait on a desched
  * when there are at least 32 per thread (K >= 2048 for 2 threads: long runs from memory, where
  * it measured 10-25% faster), else by rows (small matrices, often cache-resident). */
 static int g_split_mode = 2;
+
+int si4_current_isa(void) { return g_isa; }
 
 /* ---------------------------------------------------------------- scratch (under the lock) */
 
@@ -310,6 +317,125 @@ PyTypeObject si4_matrix_type = {
     .tp_getset = Matrix_getset,
 };
 
+/* ---------------------------------------------------------------- Int8Matrix */
+
+typedef struct {
+    PyObject_HEAD const int8_t *w;
+    const float *scale;
+    int n, k;
+    Py_buffer wbuf, sbuf;
+} Int8MatrixObject;
+
+static void Int8Matrix_dealloc(Int8MatrixObject *self) {
+    release(&self->wbuf);
+    release(&self->sbuf);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Int8Matrix_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"w", "scale", NULL};
+    PyObject *w, *scale;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &w, &scale)) return NULL;
+    Int8MatrixObject *self = (Int8MatrixObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->wbuf.obj = self->sbuf.obj = NULL;
+    if (PyObject_GetBuffer(w, &self->wbuf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    const char *f = self->wbuf.format ? self->wbuf.format : "B";
+    if (self->wbuf.ndim != 2 || strcmp(f, "b") || self->wbuf.shape[0] < 1 || self->wbuf.shape[1] < 1 ||
+        self->wbuf.shape[0] > INT32_MAX || self->wbuf.shape[1] > INT32_MAX) {
+        PyErr_Format(PyExc_TypeError, "w must be a non-empty 2-D C-contiguous int8 array, not %d-D format '%s'",
+                     self->wbuf.ndim, f);
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->n = (int)self->wbuf.shape[0], self->k = (int)self->wbuf.shape[1];
+    const int8_t *wp = self->wbuf.buf;
+    for (size_t i = 0; i < (size_t)self->n * self->k; i++)
+        if (wp[i] == INT8_MIN) { /* the kernels negate weights: -128 has no int8 negation */
+            PyErr_SetString(PyExc_ValueError, "w holds -128: INT8 weights must lie in [-127, 127]");
+            Py_DECREF(self);
+            return NULL;
+        }
+    void *ps;
+    if (get_ptr(scale, &self->sbuf, 0, sizeof(float) * (size_t)self->n, 'f', &ps, "scale") < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    if (!self->sbuf.obj) {
+        PyErr_SetString(PyExc_TypeError, "scale must be a buffer (a numpy array), which the Int8Matrix keeps alive");
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->w = self->wbuf.buf, self->scale = ps;
+    return (PyObject *)self;
+}
+
+static PyObject *Int8Matrix_gemv(Int8MatrixObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "gemv(x, y, batch, x_stride, y_stride)");
+        return NULL;
+    }
+    const long batch = PyLong_AsLong(args[2]);
+    const Py_ssize_t xs_ = PyLong_AsSsize_t(args[3]), ys_ = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (batch < 1 || xs_ < self->k || ys_ < self->n) {
+        PyErr_Format(PyExc_ValueError, "gemv: batch %ld must be >= 1, x_stride >= %d, y_stride >= %d", batch,
+                     self->k, self->n);
+        return NULL;
+    }
+    const size_t x_stride = (size_t)xs_, y_stride = (size_t)ys_;
+    Py_buffer vx, vy;
+    void *px, *py;
+    if (get_ptr(args[0], &vx, 0, sizeof(float) * (x_stride * (batch - 1) + self->k), 'f', &px, "x") < 0) return NULL;
+    if (get_ptr(args[1], &vy, 1, sizeof(float) * (y_stride * (batch - 1) + self->n), 'f', &py, "y") < 0) {
+        release(&vx);
+        return NULL;
+    }
+    /* enough weight bytes per thread to pay for the hand-off */
+    const size_t bytes = (size_t)self->n * self->k;
+    const size_t parts = bytes / (g_min_part_bytes ? g_min_part_bytes : 1);
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&si4_call_lock);
+    r = si8_gemv(g_kernel8, parts > 256 ? 256 : (int)parts, self->w, self->scale, self->n, self->k, px, x_stride,
+                 (int)batch, py, y_stride);
+    pthread_mutex_unlock(&si4_call_lock);
+    Py_END_ALLOW_THREADS
+    release(&vx);
+    release(&vy);
+    if (r < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *Int8Matrix_get_shape(Int8MatrixObject *self, void *closure) {
+    (void)closure;
+    return Py_BuildValue("(ii)", self->n, self->k);
+}
+
+static PyMethodDef Int8Matrix_methods[] = {
+    {"gemv", (PyCFunction)(void (*)(void))Int8Matrix_gemv, METH_FASTCALL, "gemv(x, y, batch, x_stride, y_stride)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Int8Matrix_getset[] = {
+    {"shape", (getter)Int8Matrix_get_shape, NULL, "(n, k)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject si8_matrix_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.sparse_int4._kernels.Int8Matrix",
+    .tp_basicsize = sizeof(Int8MatrixObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Row-major INT8 weight with one scale per row, bound to the INT8 GEMV.",
+    .tp_new = Int8Matrix_new,
+    .tp_dealloc = (destructor)Int8Matrix_dealloc,
+    .tp_methods = Int8Matrix_methods,
+    .tp_getset = Int8Matrix_getset,
+};
+
 /* ---------------------------------------------------------------- module functions */
 
 static int isa_from_name(const char *s) {
@@ -330,6 +456,7 @@ static PyObject *py_set_isa(PyObject *mod, PyObject *arg) {
     pthread_mutex_lock(&si4_call_lock);
     g_isa = isa;
     g_kernel = si4_kernel_for(isa);
+    g_kernel8 = si8_kernel_for(isa);
     g_prepare = si4_prepare_for(isa);
     pthread_mutex_unlock(&si4_call_lock);
     Py_RETURN_NONE;
@@ -445,18 +572,23 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__kernels(void) {
     g_best_isa = g_isa = si4_best_isa();
     g_kernel = si4_kernel_for(g_isa);
+    g_kernel8 = si8_kernel_for(g_isa);
     g_prepare = si4_prepare_for(g_isa);
-    if (PyType_Ready(&si4_matrix_type) < 0 || PyType_Ready(&si4_stack_type) < 0) return NULL;
+    if (PyType_Ready(&si4_matrix_type) < 0 || PyType_Ready(&si4_stack_type) < 0 || PyType_Ready(&si8_matrix_type) < 0)
+        return NULL;
     PyObject *mod = PyModule_Create(&module_def);
     if (!mod) return NULL;
     Py_INCREF(&si4_matrix_type);
     Py_INCREF(&si4_stack_type);
+    Py_INCREF(&si8_matrix_type);
     if (PyModule_AddObject(mod, "Matrix", (PyObject *)&si4_matrix_type) < 0 ||
+        PyModule_AddObject(mod, "Int8Matrix", (PyObject *)&si8_matrix_type) < 0 ||
         PyModule_AddObject(mod, "DecodeStack", (PyObject *)&si4_stack_type) < 0 ||
         PyModule_AddIntConstant(mod, "MAX_BATCH", SI4_MAX_BATCH) < 0 ||
         PyModule_AddIntConstant(mod, "CHUNK_ROWS", SI4_CHUNK_ROWS) < 0) {
         Py_DECREF(&si4_matrix_type);
         Py_DECREF(&si4_stack_type);
+        Py_DECREF(&si8_matrix_type);
         Py_DECREF(mod);
         return NULL;
     }

@@ -41,6 +41,7 @@ typedef struct {
 /* Bytes ahead in a column's run that the kernels prefetch (0: none; a tuning knob). */
 extern int si4_prefetch_ahead;
 
+
 /* Computes rows [row0, row1) (multiples of 32, row1 <= npad) of the partial product over the
  * groups [g0, g1) (the input columns [g0 * group, g1 * group)), for every batch row, into
  * ybuf[b * npad + n]; overwrites them. */
@@ -66,11 +67,60 @@ int si4_prepare_avx512(const float *x, size_t x_stride, int batch, int k, int gr
                        int32_t *cols, int32_t *goff, float *xv, float *xs, int32_t *row_counts);
 #endif
 
+/* The per-row INT8 GEMV (int8_gemv.c): W (N x K) int8 row-major, values in [-127, 127], one
+ * float scale per row; x is quantized to int8 in blocks of SI8_BLOCK inputs (dx = max |x| / 127,
+ * qx = round(x / dx)), as llama.cpp quantizes the activations of a Q8_0 matmul. */
+#define SI8_BLOCK 32
+typedef struct {
+    int batch, k, kpad;  /* kpad: k rounded up to 64 */
+    const int8_t *qx;    /* (batch, kpad) quantized x, 0 past k */
+    const uint8_t *ax;   /* (batch, kpad) |qx| */
+    const uint64_t *neg; /* (batch, kpad / 64) bit j of word c: qx[64 c + j] < 0 */
+    const float *dxv;    /* (batch, kpad / 4) dx of the block holding inputs 4i .. 4i + 3 */
+} si8_acts;
+
+/* Rows [r0, r1) of y (batch rows of y_stride floats) = W x for the quantized x in a. */
+typedef void (*si8_kernel_fn)(const int8_t *w, const float *scale, int k, const si8_acts *a, int r0, int r1, float *y,
+                              size_t y_stride);
+void si8_kernel_scalar(const int8_t *w, const float *scale, int k, const si8_acts *a, int r0, int r1, float *y,
+                       size_t y_stride);
+#ifdef LLMLOCAL_X86_VARIANTS
+void si8_kernel_avx2(const int8_t *w, const float *scale, int k, const si8_acts *a, int r0, int r1, float *y,
+                     size_t y_stride);
+void si8_kernel_avx512vnni(const int8_t *w, const float *scale, int k, const si8_acts *a, int r0, int r1, float *y,
+                           size_t y_stride);
+#endif
+
+/* y = W x for `batch` rows of x (any count), on up to `parts` threads of the pool; -1 when out
+ * of memory. The caller holds the library's call lock (the scratch buffers are shared). */
+int si8_gemv(si8_kernel_fn kernel, int parts, const int8_t *w, const float *scale, int n, int k, const float *x,
+             size_t x_stride, int batch, float *y, size_t y_stride);
+
+/* One (sequence, KV head) unit of decode attention (attn_body.h; DecodeStack). */
+typedef struct {
+    const float *q;       /* (group, hd): the unit's query heads, adjacent */
+    const float *kc, *vc; /* the layer's caches: this KV head of slot s at kc + s * row + off */
+    const int64_t *slots; /* the n_ctx context slots */
+    int n_ctx, group, hd;
+    size_t row, off;
+    float scale;
+    float *scores; /* (group, n_ctx) scratch */
+    float *out;    /* (group, hd) */
+} si4_attn_unit;
+typedef void (*si4_attend_fn)(const si4_attn_unit *u);
+void si4_attend_scalar(const si4_attn_unit *u);
+#ifdef LLMLOCAL_X86_VARIANTS
+void si4_attend_avx2(const si4_attn_unit *u);
+void si4_attend_avx512(const si4_attn_unit *u);
+#endif
+
 /* Dispatch: 0 scalar, 1 avx2, 2 avx512. */
 enum { SI4_ISA_SCALAR = 0, SI4_ISA_AVX2 = 1, SI4_ISA_AVX512 = 2 };
 int si4_best_isa(void);          /* the best path this CPU and build support */
 si4_kernel_fn si4_kernel_for(int isa);
 si4_prepare_fn si4_prepare_for(int isa);
+si8_kernel_fn si8_kernel_for(int isa);
+si4_attend_fn si4_attend_for(int isa);
 const char *si4_isa_name(int isa);
 
 /* Thread pool: run fn(arg, part, n_parts) for part = 0 .. n_parts - 1, part 0 on the caller.
