@@ -11,12 +11,16 @@ batch (B rows, e.g. speculative verification) a column is read once when any row
 reads the weight once; `kept_columns` is then the largest chunk's, `kept_per_row` the last
 chunk's). Over the whole call, `rows_kept` sums every row's own count (the row-level
 sparsity) and `columns_read` every chunk's union (the bytes actually read).
+From 48 rows on (torch tensors: prefill), the product is torch's GEMM on the weight
+dequantized in tiles, which reads every column: faster than decoding the codes for every 8
+rows, and the same products up to the order of the sums.
 No copies: x must be a C-contiguous float32 array (torch CPU tensor or numpy); the result
 (or `out`, if given: float32, C-contiguous, shape (N,) or (B, N)) has x's type.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -25,6 +29,12 @@ from .layout import PackedInt4, ScaleDtype, pack_int4
 from .runtime import kernels
 
 MAX_BATCH = 8
+# From this many rows (prefill) torch's GEMM on the dequantized weight beats the GEMV, which
+# decodes the codes again for every 8 rows (measured on the starter's shapes: 128 rows, 3.3 ms
+# vs 1.6 ms including the dequantization; 32 rows, 0.9 ms vs 0.8 ms).
+MATMUL_MIN_ROWS = 48
+MATMUL_TILE_BYTES = 4 << 20  # dequantized weight per GEMM: a tile of output rows stays in cache
+_scratch = threading.local()
 
 
 class SparseInt4Linear:
@@ -109,9 +119,39 @@ class SparseInt4Linear:
             self._last_batch = batch
             self.columns_read = self.kept_columns
             self.rows_kept = batch * k if dense else int(self._counts[:batch].sum())
+        elif batch >= MATMUL_MIN_ROWS and not isinstance(x, np.ndarray):
+            self._matmul(x, out, t, dense)
         elif batch > MAX_BATCH:
             self._forward_chunks(x, out, batch, t, dense)
         return out
+
+    def _matmul(self, x: Any, out: Any, t: float, dense: bool) -> None:
+        """out = x' W^T by torch's GEMM on the dequantized weight, a tile of output rows at a
+        time (every column is read: ``columns_read`` counts them all)."""
+        import torch
+
+        k, n, npad = self.in_features, self.out_features, self.packed.npad
+        if not dense:
+            keep = x.abs() > t
+            self.rows_kept = int(keep.sum())
+            x = x * keep
+        else:
+            self.rows_kept = x.shape[0] * k
+        tile = max(32, min(npad, MATMUL_TILE_BYTES // (4 * k) // 32 * 32))
+        buf = getattr(_scratch, "buf", None)
+        if buf is None or buf.numel() < k * tile:
+            buf = _scratch.buf = torch.empty(k * tile, dtype=torch.float32)
+        for r0 in range(0, n, tile):
+            r1 = min(npad, r0 + tile)
+            w = buf[: k * (r1 - r0)].view(k, r1 - r0)
+            self._matrix.dequantize(w.data_ptr(), r0, r1, r1 - r0)
+            c1 = min(n, r1)
+            if r0 == 0 and c1 == n:
+                torch.mm(x, w[:, :n], out=out)
+            else:
+                out[:, r0:c1] = x @ w[:, : c1 - r0]
+        self.kept_columns = self.columns_read = k
+        self._last_batch = 0
 
     def _forward_chunks(self, x: Any, out: Any, batch: int, t: float, dense: bool) -> None:
         k, n = self.in_features, self.out_features

@@ -25,7 +25,9 @@ from llmlocal.engine.model.linear import int4_dequantize
 from llmlocal.models import resolve
 from llmlocal.native import sparse_int4 as si4
 from llmlocal.native.sparse_int4 import PackedInt4, SparseInt4Linear, pack_int4
+from llmlocal.native.sparse_int4 import linear as linear_module
 from llmlocal.native.sparse_int4.reference import (
+    FP32_EPS,
     error_bound,
     gemv_reference,
     kept_columns,
@@ -199,6 +201,45 @@ def test_batch_reads_the_union_of_the_rows_columns(isa: str, threads: int, batch
         chunks = [x[b : b + 8] for b in range(0, batch, 8)]
         union = [k if t is None else int((np.abs(c) > t).any(axis=0).sum()) for c in chunks]
         assert lin.columns_read == sum(union)
+
+
+@pytest.mark.parametrize("form", ["q4_1", "q4_k"])
+def test_dequantize_gives_the_packed_weight(isa: str, threads: int, form: str) -> None:
+    rng = np.random.default_rng(11)
+    n, k = 200, 96  # npad 224: the last rows are padding
+    lin = SparseInt4Linear.from_codes(*(q4_1_like if form == "q4_1" else q4_k_like)(rng, n, k))
+    w = lin.packed.dequantize()  # (n, k)
+    out = np.full((k, 160), np.nan, dtype=np.float32)
+    lin._matrix.dequantize(out, 32, 160, 160)  # rows 32 .. 159, transposed, 160 floats apart
+    np.testing.assert_allclose(out[:, :128].T, w[32:160], rtol=0, atol=4 * FP32_EPS * np.abs(w).max())
+    assert np.isnan(out[:, 128:]).all()
+    lin._matrix.dequantize(out, 192, 224, 160)  # the last chunk: rows 192 .. 199 and padding
+    np.testing.assert_allclose(out[:, :8].T, w[192:200], rtol=0, atol=4 * FP32_EPS * np.abs(w).max())
+    with pytest.raises(ValueError, match="multiples of 32"):
+        lin._matrix.dequantize(out, 16, 160, 160)
+
+
+@pytest.mark.parametrize("batch", [48, 131])
+def test_prefill_batches_take_the_matmul_and_keep_the_counts(
+    isa: str, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From MATMUL_MIN_ROWS rows a torch batch goes through torch's GEMM on the weight
+    dequantized in tiles (forced small here: several tiles and a partial last one); the sums
+    run in another order, so the bound is that of any fp32 dot product of K terms."""
+    monkeypatch.setattr(linear_module, "MATMUL_TILE_BYTES", 4 * 576 * 64)  # 64 rows a tile
+    rng = np.random.default_rng(batch)
+    n, k = 200, 576
+    source = q4_k_like(rng, n, k)
+    lin = SparseInt4Linear.from_codes(*source)
+    x = activations(rng, batch, k)
+    for sparsity in (None, 0.5):
+        t = threshold_for(x[1], sparsity)
+        y = lin(torch.from_numpy(x), t).numpy()
+        xs = np.abs(np.where(np.abs(x) > (t or 0), x, 0) if t is not None else x).astype(np.float64)
+        mag = xs @ np.abs(lin.packed.dequantize().astype(np.float64)).T
+        assert np.all(np.abs(y - gemv_reference(*source, 32, x, t)) <= (k + 4) * FP32_EPS * mag)
+        kept = np.full(batch, k) if t is None else (np.abs(x) > t).sum(axis=1)
+        assert lin.rows_kept == kept.sum() and lin.columns_read == k
 
 
 def test_torch_tensors_are_used_in_place(isa: str) -> None:

@@ -57,6 +57,15 @@ si4_attend_fn si4_attend_for(int isa) {
     return si4_attend_scalar;
 }
 
+si4_dequant_fn si4_dequant_for(int isa) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (isa == SI4_ISA_AVX512) return si4_dequant_avx512;
+    if (isa == SI4_ISA_AVX2) return si4_dequant_avx2;
+#endif
+    (void)isa;
+    return si4_dequant_scalar;
+}
+
 const char *si4_isa_name(int isa) {
     switch (isa) {
     case SI4_ISA_AVX512: return "avx512";

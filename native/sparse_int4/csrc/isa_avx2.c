@@ -26,6 +26,7 @@ typedef __m256 vf;
         (q)[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo_, 4));                     \
         (q)[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi_, 4));                     \
     } while (0)
+#define DEQUANT_NAME si4_dequant_avx2
 #define KERNEL_NAME si4_kernel_avx2
 
 #include "kernel_body.h"

@@ -53,6 +53,7 @@ static inline __attribute__((always_inline)) int compact16(const float *x, size_
     return n + __builtin_popcount((unsigned)any);
 }
 #define COMPACT16 compact16
+#define DEQUANT_NAME si4_dequant_avx512
 #define KERNEL_NAME si4_kernel_avx512
 
 #include "kernel_body.h"

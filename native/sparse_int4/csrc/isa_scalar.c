@@ -44,6 +44,7 @@ static inline float half_to_float(uint16_t h) {
             (q)[16 + b_] = (float)((p)[b_] >> 4);      \
         }                                              \
     } while (0)
+#define DEQUANT_NAME si4_dequant_scalar
 #define KERNEL_NAME si4_kernel_scalar
 
 #include "kernel_body.h"

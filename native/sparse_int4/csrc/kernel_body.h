@@ -179,3 +179,33 @@ void KERNEL_NAME(const si4_matrix *m, const si4_acts *a, int row0, int row1, int
         }
     }
 }
+
+/* The dequantized weight for prefill-sized batches (a dense matmul beats the GEMV from a few
+ * dozen rows on): out[(j - j0) * out_stride + (n - row0)] = W[n, j] = q * d + m, for the
+ * columns [j0, j1) and the rows [row0, row1) (multiples of 32, row1 <= npad). */
+void DEQUANT_NAME(const si4_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride) {
+    const int npad = m->npad;
+    for (int j = j0; j < j1; j++) {
+        const int g = j / m->group;
+        const uint8_t *p = m->codes + (size_t)j * m->colstride;
+        float *o = out + (size_t)(j - j0) * out_stride - row0;
+        for (int row = row0; row < row1; row += 32) {
+            vf q[CV];
+            UNPACK(p + row / 2, q);
+#pragma GCC unroll 32
+            for (int v = 0; v < CV; v++) {
+                vf d, mn;
+                if (m->sz_f16) {
+                    const uint16_t *dp = (const uint16_t *)m->sz + (size_t)g * 2 * npad + row + v * VW;
+                    d = V_LOAD_F16(dp);
+                    mn = V_LOAD_F16(dp + npad);
+                } else {
+                    const float *sp = (const float *)m->sz + (size_t)g * 2 * npad + row + v * VW;
+                    d = V_LOAD(sp);
+                    mn = V_FMA(V_SET1(-8.0f), d, V_LOAD(sp + npad)); /* m = z - 8 s */
+                }
+                V_STORE(o + row + v * VW, V_FMA(q[v], d, mn));
+            }
+        }
+    }
+}

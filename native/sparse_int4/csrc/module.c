@@ -9,6 +9,7 @@
  *                                              with one float32 scale per row (an output head);
  *                                              kept alive, no copy
  *   Int8Matrix.gemv(x, y, batch, x_stride, y_stride)   y = W x (x quantized per 32, see int8_gemv.c)
+ *   Matrix.dequantize(out, row0, row1, out_stride)   rows of W as float32, transposed (prefill matmuls)
  *   DecodeStack(config, layers).step(...)    a decoder's layers for one decode token of 1-8 sequences
  *   set_isa(name) / isa() / best_isa(), set_num_threads(n) / num_threads(),
  *   set_spin_us(us) / spin_us(), set_min_part_bytes(b) / min_part_bytes(),
@@ -27,6 +28,7 @@ pthread_mutex_t si4_call_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_best_isa, g_isa;
 static si4_kernel_fn g_kernel;
 static si8_kernel_fn g_kernel8;
+static si4_dequant_fn g_dequant;
 static si4_prepare_fn g_prepare;
 static size_t g_min_part_bytes = 32768; /* below this much weight data per thread, use fewer threads */
 static int g_pieces_per_thread = 1; /* by rows: more bound the wait on a descheduled worker */
@@ -290,6 +292,62 @@ static PyObject *Matrix_gemv(MatrixObject *self, PyObject *const *args, Py_ssize
     return PyLong_FromLong(n_kept);
 }
 
+#define DEQUANT_PIECE 16 /* columns */
+
+typedef struct {
+    const si4_matrix *m;
+    si4_dequant_fn fn;
+    float *out;
+    size_t stride;
+    int row0, row1;
+    atomic_int next;
+} dequant_job;
+
+static void run_dequant(void *arg, int part, int n_parts) {
+    (void)part, (void)n_parts;
+    dequant_job *j = arg;
+    const int pieces = (j->m->k + DEQUANT_PIECE - 1) / DEQUANT_PIECE;
+    for (int c; (c = atomic_fetch_add(&j->next, 1)) < pieces;) {
+        const int j0 = c * DEQUANT_PIECE, j1 = j0 + DEQUANT_PIECE < j->m->k ? j0 + DEQUANT_PIECE : j->m->k;
+        j->fn(j->m, j0, j1, j->row0, j->row1, j->out + (size_t)j0 * j->stride, j->stride);
+    }
+}
+
+/* dequantize(out, row0, row1, out_stride): rows [row0, row1) (multiples of 32, row1 <= npad) of
+ * the dequantized weight, transposed: out (k, out_stride) float32, out[j, n - row0] = W[n, j]. */
+static PyObject *Matrix_dequantize(MatrixObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "dequantize(out, row0, row1, out_stride)");
+        return NULL;
+    }
+    const si4_matrix *m = &self->m;
+    const long row0 = PyLong_AsLong(args[1]), row1 = PyLong_AsLong(args[2]);
+    const Py_ssize_t stride = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (row0 < 0 || row0 >= row1 || row1 > m->npad || row0 % SI4_CHUNK_ROWS || row1 % SI4_CHUNK_ROWS ||
+        stride < row1 - row0) {
+        PyErr_Format(PyExc_ValueError, "dequantize: rows [%ld, %ld) must be multiples of %d within %d, out_stride %zd >= %ld",
+                     row0, row1, SI4_CHUNK_ROWS, m->npad, stride, row1 - row0);
+        return NULL;
+    }
+    Py_buffer vo;
+    void *po;
+    if (get_ptr(args[0], &vo, 1, sizeof(float) * ((size_t)stride * (m->k - 1) + (size_t)(row1 - row0)), 'f', &po, "out") < 0)
+        return NULL;
+    dequant_job job = {.m = m, .fn = g_dequant, .out = po, .stride = (size_t)stride, .row0 = (int)row0, .row1 = (int)row1};
+    atomic_init(&job.next, 0);
+    const size_t bytes = (size_t)m->k * (size_t)(row1 - row0) * 4; /* written */
+    size_t parts = bytes / (g_min_part_bytes ? g_min_part_bytes : 1);
+    parts = parts < 1 ? 1 : parts > 256 ? 256 : parts;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&si4_call_lock);
+    si4_pool_run(run_dequant, &job, (int)parts);
+    pthread_mutex_unlock(&si4_call_lock);
+    Py_END_ALLOW_THREADS
+    release(&vo);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Matrix_get_shape(MatrixObject *self, void *closure) {
     (void)closure;
     return Py_BuildValue("(ii)", self->m.n, self->m.k);
@@ -298,6 +356,8 @@ static PyObject *Matrix_get_shape(MatrixObject *self, void *closure) {
 static PyMethodDef Matrix_methods[] = {
     {"gemv", (PyCFunction)(void (*)(void))Matrix_gemv, METH_FASTCALL,
      "gemv(x, y, batch, x_stride, y_stride, threshold, dense, counts) -> columns kept"},
+    {"dequantize", (PyCFunction)(void (*)(void))Matrix_dequantize, METH_FASTCALL,
+     "dequantize(out, row0, row1, out_stride): rows [row0, row1) of W, transposed, into out (k, out_stride)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -457,6 +517,7 @@ static PyObject *py_set_isa(PyObject *mod, PyObject *arg) {
     g_isa = isa;
     g_kernel = si4_kernel_for(isa);
     g_kernel8 = si8_kernel_for(isa);
+    g_dequant = si4_dequant_for(isa);
     g_prepare = si4_prepare_for(isa);
     pthread_mutex_unlock(&si4_call_lock);
     Py_RETURN_NONE;
@@ -573,6 +634,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     g_best_isa = g_isa = si4_best_isa();
     g_kernel = si4_kernel_for(g_isa);
     g_kernel8 = si8_kernel_for(g_isa);
+    g_dequant = si4_dequant_for(g_isa);
     g_prepare = si4_prepare_for(g_isa);
     if (PyType_Ready(&si4_matrix_type) < 0 || PyType_Ready(&si4_stack_type) < 0 || PyType_Ready(&si8_matrix_type) < 0)
         return NULL;

@@ -54,6 +54,15 @@ void si4_kernel_avx2(const si4_matrix *m, const si4_acts *a, int row0, int row1,
 void si4_kernel_avx512(const si4_matrix *m, const si4_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
 #endif
 
+/* Columns [j0, j1), rows [row0, row1) (multiples of 32) of the dequantized W, column after
+ * column: out[(j - j0) * out_stride + n - row0] (see kernel_body.h). */
+typedef void (*si4_dequant_fn)(const si4_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
+void si4_dequant_scalar(const si4_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
+#ifdef LLMLOCAL_X86_VARIANTS
+void si4_dequant_avx2(const si4_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
+void si4_dequant_avx512(const si4_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
+#endif
+
 /* Thresholds x and compacts it into the arrays of si4_acts; returns n_kept. Buffers: cols (k),
  * goff (k / group + 1), xv (k * batch), xs (k / group * batch); row_counts (batch) may be NULL. */
 typedef int (*si4_prepare_fn)(const float *x, size_t x_stride, int batch, int k, int group, float threshold,
@@ -121,6 +130,7 @@ si4_kernel_fn si4_kernel_for(int isa);
 si4_prepare_fn si4_prepare_for(int isa);
 si8_kernel_fn si8_kernel_for(int isa);
 si4_attend_fn si4_attend_for(int isa);
+si4_dequant_fn si4_dequant_for(int isa);
 const char *si4_isa_name(int isa);
 
 /* Thread pool: run fn(arg, part, n_parts) for part = 0 .. n_parts - 1, part 0 on the caller.
