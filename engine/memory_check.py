@@ -198,7 +198,12 @@ def validate(configs: list[CheckConfig], log: Any = None) -> list[Row]:
 
 def format_row(row: Row) -> str:
     c, m = row.config, row.measured
-    kv = c.kv_dtype if c.backend == "llamacpp" else "fp32"
+    if c.backend == "llamacpp":
+        kv = c.kv_dtype
+    else:
+        from .plan import paged_kv_dtype
+
+        kv = paged_kv_dtype(c.to_plan(), "fp32", on_gpu=False)
     mib = 1 << 20
     return (
         f"| {c.label or c.model:<14} | {c.backend:<8} | {c.n_ctx:>5} | {kv:<4} | {row.predicted / mib:>8.1f} "

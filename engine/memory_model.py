@@ -59,6 +59,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .plan import paged_kv_dtype
+
 if TYPE_CHECKING:
     from llmlocal.models import ModelSpec, TensorInfo
 
@@ -374,7 +376,8 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
     models = [(spec, plan)] + ([(draft, plan.replace(weights="auto"))] if draft is not None else [])
     tables = [_paged_weights(m, p.weights, act) for m, p in models]
     weights = [paged_weight_bytes(m, p, act) for m, p in models]
-    kv = [m.kv_bytes_per_token(act) * tokens for m, _ in models]
+    kv_value = KV_BYTES[paged_kv_dtype(plan, dtype, on_gpu)]
+    kv = [m.kv_bytes_per_token(kv_value) * tokens for m, _ in models]
 
     chunk = min(plan.max_batch_tokens, n_ctx)
     compute = 0

@@ -35,7 +35,7 @@ class Plan:
     kv_blocks: int | None = None  # KV pool size in blocks (None: sized from n_ctx and max_batch)
     max_batch: int = 16  # sequences decoded together
     max_batch_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
-    kv_dtype: str = "auto"  # KV cache element type (auto: the run dtype; f16 in llama.cpp)
+    kv_dtype: str = "auto"  # KV cache element type (auto: f16 in llama.cpp; see paged_kv_dtype)
     # speculative decoding (paged backend)
     draft: str | None = None  # draft model name/path, or "ngram" for prompt lookup
     draft_k: int | None = None  # tokens proposed per step (None: adaptive)
@@ -90,3 +90,20 @@ class Plan:
 
     def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)
+
+
+def paged_kv_dtype(plan: Plan, run_dtype: str, on_gpu: bool) -> str:
+    """The paged engine's KV cache element type ("f32", "f16" or "bf16") for a run in
+    ``run_dtype`` ("fp32", "fp16", "bf16"): the plan's, else f16 for an fp32 run on the CPU (what
+    llama.cpp keeps too: half the bytes decode attention reads and the pool holds), else the
+    run dtype."""
+    if plan.kv_dtype == "q8_0":
+        raise LLMLocalError(
+            "The paged engine keeps its KV cache in f32, f16 or bf16, not q8_0: pick one of those, "
+            "or run with --backend llamacpp."
+        )
+    if plan.kv_dtype != "auto":
+        return plan.kv_dtype
+    if run_dtype == "fp32" and not on_gpu:
+        return "f16"
+    return {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}[run_dtype]

@@ -37,7 +37,7 @@ from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .hardware import Hardware
 from .memory_model import DeviceMemory, estimate, gib
-from .plan import DEFAULT_MAX_CTX, Plan
+from .plan import DEFAULT_MAX_CTX, Plan, paged_kv_dtype
 
 if TYPE_CHECKING:
     from llmlocal.models import ModelSpec
@@ -101,7 +101,8 @@ class Candidate:
 
     def describe(self) -> str:
         p = self.plan
-        kv = p.kv_dtype if p.backend == "llamacpp" else ("bf16" if p.device == "cuda" else "fp32")
+        kv = p.kv_dtype if p.backend == "llamacpp" else paged_kv_dtype(p, p.dtype if p.dtype != "auto" else (
+            "bf16" if p.device == "cuda" else "fp32"), on_gpu=p.device == "cuda")
         slots = p.kv_blocks // -(-p.n_ctx // p.block_size) if p.backend == "paged" and p.kv_blocks else 0
         extra = f", {slots} slot{'s' if slots > 1 else ''}" if slots else ""
         draft = ", draft" if p.draft else ""

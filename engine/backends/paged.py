@@ -32,7 +32,7 @@ from ..model.llama import LlamaModel
 from ..model.fast_decode import FastDecode, native_int4
 from ..model.loader import load_gguf, load_hf
 from ..model_runner import ModelRunner, StepItem
-from ..plan import Plan
+from ..plan import Plan, paged_kv_dtype
 from ..sampling import make_generator, sample_batch
 from ..scheduler import RequestTooLargeError, Scheduler
 from ..sequence import Sequence
@@ -43,6 +43,7 @@ from ..tokenizer import HFTokenizer, LlamaCppTokenizer, Tokenizer
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -92,6 +93,11 @@ def pick_dtype(plan: Plan, device: torch.device) -> torch.dtype:
     if plan.dtype != "auto":
         return DTYPES[plan.dtype]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def pick_kv_dtype(plan: Plan, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    run = next(name for name, t in DTYPES.items() if t == dtype)
+    return KV_DTYPES[paged_kv_dtype(plan, run, on_gpu=device.type == "cuda")]
 
 
 class PagedBackend:
@@ -150,7 +156,8 @@ class PagedBackend:
         # Default pool: every batch slot can hold a full context window... capped at 4 windows
         # (the planner will size this from free memory).
         num_blocks = plan.kv_blocks or -(-n_ctx // block_size) * min(plan.max_batch, 4)
-        runner = ModelRunner(net, num_blocks, block_size, kv_dtype=dtype)
+        kv_dtype = pick_kv_dtype(plan, device, dtype)
+        runner = ModelRunner(net, num_blocks, block_size, kv_dtype=kv_dtype)
         if cls is PagedBackend:  # (the sparse backend attaches its own, with thresholds)
             FastDecode.attach(runner)
         if device.type == "cuda" and os.environ.get("LLMLOCAL_CUDA_GRAPHS", "1") != "0":
@@ -160,7 +167,7 @@ class PagedBackend:
         elif drafter is None and plan.draft:
             draft = resolve(plan.draft)
             check_same_vocabulary(spec, draft.spec, plan.draft)
-            draft_runner = ModelRunner(_load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=dtype)
+            draft_runner = ModelRunner(_load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=kv_dtype)
             FastDecode.attach(draft_runner)
             drafter = DraftModel(draft_runner)
         return cls(runner, tokenizer, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)

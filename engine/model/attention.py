@@ -55,10 +55,10 @@ def paged_attention(
     """(N, H, D) attention outputs for the step's tokens; writes their K/V to the cache."""
     n_kv, d = k_cache.shape[2], k_cache.shape[3]
     if meta.decode_slots is not None:  # the CPU path: plain indexed copies, no kernel checks
-        if k.dtype != k_cache.dtype:
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
+        # (k and v themselves stay in q's dtype: a first prefill chunk attends to them as they are)
+        kw, vw = (k, v) if k.dtype == k_cache.dtype else (k.to(k_cache.dtype), v.to(v_cache.dtype))
+        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, kw)
+        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, vw)
     else:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode

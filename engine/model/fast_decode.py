@@ -6,8 +6,8 @@ they cost more than the projections' weight reads. `FastDecode` hands the whole 
 layers to `DecodeStack` (native/sparse_int4/csrc/module.c), which runs the same arithmetic
 in C with the projections through the same kernels, and leaves embedding, final norm, head
 and sampling to the model. It takes over the steps it can run exactly: every sequence of the
-step decoding one token (eight sequences a call), in the runner's own KV cache, with every
-projection an INT4 kernel without bias; everything else (prefill, chunks mixed with decodes,
+step decoding one token (eight sequences a call), in the runner's own KV cache (float32 or
+fp16), with every projection an INT4 kernel without bias; everything else (prefill, chunks mixed with decodes,
 speculative verification) goes through the torch model.
 """
 
@@ -64,7 +64,9 @@ class FastDecode:
             layers.append((layer.attn_norm.weight.data_ptr(), *mats, layer.mlp_norm.weight.data_ptr(),
                            k_cache.data_ptr(), v_cache.data_ptr()))
         first = model.layers[0]
-        config = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ffn, float(first.attn_norm.eps), float(first.scale))
+        kv_f16 = runner.kv_caches[0][0].dtype == torch.float16
+        config = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ffn, float(first.attn_norm.eps),
+                  float(first.scale), kv_f16)
         self.stack = kernels().DecodeStack(config, layers)
         n = len(model.layers)
         self.thresholds = np.zeros(n * 4, dtype=np.float32)
@@ -90,7 +92,7 @@ class FastDecode:
     def build(cls, runner: ModelRunner) -> FastDecode | None:
         """The fast path for this runner's model, or None if some layer cannot take it."""
         model = runner.model
-        if model.dtype != torch.float32 or runner.kv_caches[0][0].dtype != torch.float32:
+        if model.dtype != torch.float32 or runner.kv_caches[0][0].dtype not in (torch.float32, torch.float16):
             return None
         for layer in model.layers:
             for a in _ATTRS:

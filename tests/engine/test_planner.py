@@ -17,6 +17,7 @@ from llmlocal.engine.hardware import GPU, Hardware
 from llmlocal.engine.memory_model import estimate, gib
 from llmlocal.engine.planner import NothingFitsError, Pins, choose, usable_budget
 from llmlocal.models import ModelSpec, TensorInfo
+from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import SpecialTokens
 
 GIB = 1 << 30
@@ -282,7 +283,11 @@ def test_kv_cache_bytes() -> None:
     (padded,) = estimate(spec, Plan(backend="llamacpp", device="cpu", n_ctx=1000, kv_dtype="f16"), AVX2)
     assert padded.kv == 1024 * 131072  # llama.cpp pads the context to a multiple of 256
     (paged,) = estimate(spec, Plan(backend="paged", device="cpu", n_ctx=1000, kv_blocks=100), AVX2)
-    assert paged.kv == 100 * 16 * 2 * 32 * 8 * 128 * 4  # the pool, fp32 on a CPU
+    assert paged.kv == 100 * 16 * 2 * 32 * 8 * 128 * 2  # the pool, fp16 on a CPU by default
+    (f32,) = estimate(spec, Plan(backend="paged", device="cpu", n_ctx=1000, kv_blocks=100, kv_dtype="f32"), AVX2)
+    assert f32.kv == 2 * paged.kv
+    with pytest.raises(LLMLocalError, match="f32, f16 or bf16, not q8_0"):
+        estimate(spec, Plan(backend="paged", device="cpu", n_ctx=1000, kv_dtype="q8_0"), AVX2)
 
 
 def test_llamacpp_repacked_weights_count_twice_in_rss_once_in_the_need() -> None:

@@ -226,11 +226,24 @@ def test_a_4bit_output_head_runs_in_the_kernels_too(tmp_path: Path) -> None:
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
 
 
+@pytest.fixture(scope="module")
+def sparse_f32(sparse_starter: tuple[Path, dict]) -> Engine:
+    """The sparse engine with a float32 KV cache (the default is fp16)."""
+    with Engine.load(Plan(model=str(sparse_starter[0]), backend="sparse", n_ctx=1024, kv_dtype="f32")) as e:
+        yield e
+
+
 @pytest.mark.parametrize("level", [0.5, 0.0])
-def test_native_decode_stack_gives_the_torch_layers_tokens(sparse: Engine, level: float) -> None:
+def test_native_decode_stack_gives_the_torch_layers_tokens(sparse_f32: Engine, level: float) -> None:
     """Batch-1 decode runs all layers in one native call (`FastDecode`); the torch layers
-    with the same kernels are its reference: the same greedy tokens and the same columns
-    skipped, token for token."""
+    with the same kernels are its reference: the same greedy tokens, and the same share of
+    columns skipped within 1% (an input within a rounding error of its threshold goes either
+    way: the two sum in different orders). With a float32 cache: with fp16, the last-bit differences
+    between the C rotation and torch's complex multiply sometimes round a key to the
+    neighbouring fp16 value, and at 50% the thresholds turn that into other tokens (the fp16
+    cache is compared on longer contexts below, and at level 0 within near ties above)."""
+    sparse = sparse_f32
+    assert sparse.backend.runner.kv_caches[0][0].dtype == torch.float32
     stack = sparse.backend._stack
     assert stack is not None
     request = Request.chat([{"role": "user", "content": "Tell me about the moon."}],
@@ -249,7 +262,7 @@ def test_native_decode_stack_gives_the_torch_layers_tokens(sparse: Engine, level
     (text, achieved, steps), (want_text, want_achieved, generic_steps) = runs[True], runs[False]
     assert steps == 47 and generic_steps == 0  # every decode step but the first (prefill) token
     assert text == want_text
-    assert achieved == pytest.approx(want_achieved, abs=1e-3)
+    assert achieved == pytest.approx(want_achieved, abs=0.01)
     assert achieved == pytest.approx(level, abs=0.08)
 
 
@@ -271,3 +284,59 @@ def test_native_decode_stack_over_a_long_context(sparse: Engine) -> None:
         sparse.backend.set_sparsity(0.5)
     assert runs[0].stats.prompt_tokens > 700
     assert runs[0].text == runs[1].text
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_native_decode_stack_on_the_other_isas(sparse: Engine, isa: str) -> None:
+    """The stack's attention and projections on each lower ISA path of this machine give the
+    torch layers' greedy tokens (the best path is the one the other tests run)."""
+    from llmlocal.native import sparse_int4 as si4
+
+    if isa not in si4.available_isas():
+        pytest.skip(f"this CPU or build has no {isa} path")
+    request = Request.chat([{"role": "user", "content": TEXT[:900] + "\n\nSummarise."}],
+                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    before = si4.isa()
+    sparse.backend.set_sparsity(0.0)
+    try:
+        texts = []
+        for fast in (True, False):
+            FastDecode.enabled = fast
+            si4.set_isa(isa if fast else before)
+            texts.append([e for e in sparse.generate(request) if isinstance(e, DoneEvent)][0].text)
+    finally:
+        FastDecode.enabled = True
+        si4.set_isa(before)
+        sparse.backend.set_sparsity(0.5)
+    assert texts[0] == texts[1]
+
+
+def test_native_decode_stack_batches_long_contexts(sparse: Engine) -> None:
+    """Three concurrent requests over contexts of 200-400 tokens (one native call, each
+    context in chunks merged afterwards) give each request's tokens alone through the torch
+    layers."""
+    import threading
+
+    prompts = [TEXT[i * 300 : i * 300 + 900 + 300 * i] + "\n\nWhat is this about?" for i in range(3)]
+    requests = [Request.chat([{"role": "user", "content": p}], SamplingParams(temperature=0, max_tokens=20,
+                ignore_eos=True)) for p in prompts]
+    sparse.backend.set_sparsity(0.0)
+    try:
+        FastDecode.enabled = False
+        alone = [[e for e in sparse.generate(r) if isinstance(e, DoneEvent)][0] for r in requests]
+        FastDecode.enabled = True
+        together: list[DoneEvent | None] = [None] * 3
+
+        def run(i: int) -> None:
+            together[i] = [e for e in sparse.generate(requests[i]) if isinstance(e, DoneEvent)][0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        FastDecode.enabled = True
+        sparse.backend.set_sparsity(0.5)
+    assert all(200 < d.stats.prompt_tokens < 450 for d in alone)
+    assert [d.text for d in together] == [d.text for d in alone]  # type: ignore[union-attr]

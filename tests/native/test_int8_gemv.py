@@ -1,5 +1,6 @@
 """The per-row INT8 GEMV (output heads): every ISA path this machine has against the numpy
-reference, with 1 and 2 threads, and in the engine against torch's INT8 head.
+reference, with 1 and 2 threads, and in the engine against torch's INT8 head; and the fp16
+conversion of DecodeStack's KV write against numpy's.
 
 The kernels quantize x per block of 32 (as llama.cpp's Q8_0 matmul does) and sum products
 exactly in int32 in runs of 4 to 32, so they differ from `int8_gemv_reference` only by the fp32
@@ -113,3 +114,21 @@ def test_native_head_matches_torch_int8_head() -> None:
         assert err < 0.02  # bf16 activations (torch) or per-32 int8 activations (native)
     np.testing.assert_allclose(native(h).numpy(), int8_gemv_reference(torch_head.qweight.numpy(),
                                torch_head.scale.numpy(), h.numpy()), rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_conversion_of_the_kv_write_matches_numpy(isa: str) -> None:
+    """The fp16 KV write of DecodeStack rounds like torch and numpy (to nearest even, overflow
+    to inf) on every ISA path, over a sweep of float bit patterns and the edge cases."""
+    bits = np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32)
+    edges = [65504, 65519.99, 65520, 65535, 65536, -65520, 6.1035e-5, 6.0e-5, 2**-24, 2**-25, 3 * 2**-25,
+             2**-25 * 1.0001, 1e-30, np.inf, -np.inf, 0.0, -0.0, 1.0, -2.5]
+    x = np.concatenate([bits.view(np.float32), np.array(edges, np.float32)])
+    x = x[~np.isnan(x)]
+    out = np.zeros(len(x), np.uint16)
+    si4.kernels().to_f16(x, out)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(out, want)
+    nan = np.zeros(1, np.uint16)
+    si4.kernels().to_f16(np.array([np.nan], np.float32), nan)
+    assert np.isnan(nan.view(np.float16)[0])

@@ -6,12 +6,13 @@
  *
  *   x = rms_norm(h) * attn_norm;  qkv = W_qkv x'          (x' thresholded, see gemv)
  *   q, k rotated by RoPE (interleaved pairs (2j, 2j + 1), factors `cis` of the position)
- *   k, v written to slot `slot_new` of the layer's cache (slots, Hkv, D)
+ *   k, v written to slot `slot_new` of the layer's cache (slots, Hkv, D), float or fp16
  *   a_h = softmax(scale q_h . K_g) V_g over the context slots, g = h / (H / Hkv)
  *   h += W_o a';  x = rms_norm(h) * ffn_norm;  [gate, up] = W_gu x'
  *   h += W_down (silu(gate) * up)'
  *
- * The same arithmetic as engine/model/llama.py, in float32, with the projections through
+ * The same arithmetic as engine/model/llama.py, in float32 (an fp16 cache rounds k and v to
+ * nearest even, as torch's conversion does), with the projections through
  * si4_gemv_locked. Weights are Matrix objects (held); norms and caches are addresses of tensors
  * the caller keeps alive and in place. */
 
@@ -29,9 +30,11 @@ typedef struct {
     float eps, scale;
     MatrixObject **proj;           /* n_layers * N_PROJ, referenced */
     const float **attn_norm, **ffn_norm;
-    float **k_cache, **v_cache;
+    void **k_cache, **v_cache; /* float, or fp16 values when kv_f16 */
+    int kv_f16;
     float *x, *qkv, *att, *gu, *act, *out, *scores;
-    size_t scores_n;
+    float *part_o, *part_m, *part_l; /* chunked attention's partial results, per unit */
+    size_t scores_n, part_units;
 } StackObject;
 
 static void Stack_dealloc(StackObject *self) {
@@ -49,22 +52,25 @@ static void Stack_dealloc(StackObject *self) {
     free(self->act);
     free(self->out);
     free(self->scores);
+    free(self->part_o);
+    free(self->part_m);
+    free(self->part_l);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static void *addr(PyObject *o) { return PyLong_AsVoidPtr(o); }
 
-/* DecodeStack((d, n_heads, n_kv, head_dim, d_ffn, eps, scale),
+/* DecodeStack((d, n_heads, n_kv, head_dim, d_ffn, eps, scale, kv_f16),
  *             [(attn_norm, qkv, o, gate_up, down, ffn_norm, k_cache, v_cache), ...]) */
 static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     (void)kwds;
-    int d, nh, nkv, hd, ffn;
+    int d, nh, nkv, hd, ffn, kv_f16;
     double eps, scale;
     PyObject *layers;
-    if (!PyArg_ParseTuple(args, "(iiiiidd)O!", &d, &nh, &nkv, &hd, &ffn, &eps, &scale, &PyList_Type, &layers))
+    if (!PyArg_ParseTuple(args, "(iiiiiddp)O!", &d, &nh, &nkv, &hd, &ffn, &eps, &scale, &kv_f16, &PyList_Type, &layers))
         return NULL;
     const Py_ssize_t L = PyList_GET_SIZE(layers);
-    if (L < 1 || d < 1 || nh < 1 || nkv < 1 || nh % nkv || nh / nkv > 64 || hd < 2 || hd % 2 || ffn < 1) {
+    if (L < 1 || d < 1 || nh < 1 || nkv < 1 || nh % nkv || nh > SI4_MAX_HEADS || hd < 2 || hd % 2 || ffn < 1) {
         PyErr_SetString(PyExc_ValueError, "DecodeStack: bad shape");
         return NULL;
     }
@@ -75,8 +81,9 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->proj = calloc((size_t)L * N_PROJ, sizeof(MatrixObject *));
     self->attn_norm = calloc((size_t)L, sizeof(float *));
     self->ffn_norm = calloc((size_t)L, sizeof(float *));
-    self->k_cache = calloc((size_t)L, sizeof(float *));
-    self->v_cache = calloc((size_t)L, sizeof(float *));
+    self->kv_f16 = kv_f16;
+    self->k_cache = calloc((size_t)L, sizeof(void *));
+    self->v_cache = calloc((size_t)L, sizeof(void *));
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd;
     const size_t B = SI4_MAX_BATCH; /* scratch rows */
     self->x = calloc(B * (size_t)d, sizeof(float));
@@ -129,36 +136,84 @@ static void rms_norm(const float *h, const float *w, float *x, int d, float eps)
     for (int i = 0; i < d; i++) x[i] = h[i] * r * w[i];
 }
 
-/* Attention of one step, shared out by (sequence, KV head): each unit reads its KV head's
- * keys and values once for all `group` query heads that share them (GQA; attn_body.h), and the
- * pool's threads take units as they come. */
+/* Attention of one step, shared out in units of (sequence, chunk of its context): a unit
+ * reads each of its positions' cache rows (every KV head) once for all query heads (GQA;
+ * attn_body.h), and the pool's threads take units as they come. A context is cut into chunks
+ * of at most ATTN_CHUNK positions, and into at least as many as it takes for every thread to
+ * have a unit (of 16 positions or more); the chunks' partial softmax sums are merged
+ * afterwards (attn_merge). */
+#define ATTN_CHUNK 128
+
 typedef struct {
     StackObject *s;
     si4_attend_fn attend;
-    const float *kc, *vc;
+    const void *kc, *vc;
     const int64_t *slots, *lens;
     size_t slot_stride, scores_per_part;
-    int n_units; /* batch * n_kv */
+    int batch;
+    int chunks[SI4_MAX_BATCH];    /* row b's context in chunks[b] pieces */
+    int first[SI4_MAX_BATCH + 1]; /* row b's units: [first[b], first[b + 1]) */
+    int n_units;
     atomic_int next, part_ids;
 } attn_job;
+
+static int n_chunks(int64_t len, int want) {
+    int nc = (int)((len + ATTN_CHUNK - 1) / ATTN_CHUNK);
+    if (nc < want) nc = want < len / 16 ? want : (int)(len / 16);
+    return nc < 1 ? 1 : nc;
+}
 
 static void attend_part(void *arg, int part, int n_parts) {
     (void)part, (void)n_parts;
     attn_job *j = arg;
     const StackObject *s = j->s;
-    const int nh = s->n_heads, nkv = s->n_kv, hd = s->head_dim, group = nh / nkv;
+    const int nh = s->n_heads, nkv = s->n_kv, hd = s->head_dim;
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd;
-    /* a scores area of its own: (group, longest) */
+    /* a scores area of its own: (n_heads, ATTN_CHUNK) */
     float *scores = s->scores + (size_t)atomic_fetch_add(&j->part_ids, 1) * j->scores_per_part;
     for (int u; (u = atomic_fetch_add(&j->next, 1)) < j->n_units;) {
-        const int b = u / nkv, g = u % nkv;
-        const si4_attn_unit unit = {
-            .q = s->qkv + (size_t)b * nqkv + (size_t)g * group * hd, /* its query heads, adjacent */
-            .kc = j->kc, .vc = j->vc, .slots = j->slots + (size_t)b * j->slot_stride, .n_ctx = (int)j->lens[b],
-            .group = group, .hd = hd, .row = (size_t)nkv * hd, .off = (size_t)g * hd, .scale = s->scale,
-            .scores = scores, .out = s->att + ((size_t)b * nh + (size_t)g * group) * hd,
+        int b = 0;
+        while (u >= j->first[b + 1]) b++;
+        const int nc = j->chunks[b], c = u - j->first[b];
+        const int64_t len = j->lens[b];
+        const int i0 = (int)(len * c / nc), i1 = (int)(len * (c + 1) / nc);
+        si4_attn_unit unit = {
+            .q = s->qkv + (size_t)b * nqkv, .kc = j->kc, .vc = j->vc, .kv_f16 = s->kv_f16, .slots = j->slots + (size_t)b * j->slot_stride + i0,
+            .n_ctx = i1 - i0, .n_kv = nkv, .group = nh / nkv, .hd = hd, .row = (size_t)nkv * hd, .scale = s->scale,
+            .scores = scores, .out = s->att + (size_t)b * nh * hd,
         };
+        if (nc > 1) { /* a chunk: unnormalised, into the partials of unit u */
+            unit.out = s->part_o + (size_t)u * nh * hd;
+            unit.m = s->part_m + (size_t)u * nh;
+            unit.l = s->part_l + (size_t)u * nh;
+        }
         j->attend(&unit);
+    }
+}
+
+/* The output of every row whose context came in chunks: per head, with M = max_c m_c and
+ * w_c = e^(m_c - M), out = sum_c w_c o_c / sum_c w_c l_c. */
+static void attn_merge(const attn_job *j) {
+    const StackObject *s = j->s;
+    const int nh = s->n_heads, hd = s->head_dim;
+    for (int b = 0; b < j->batch; b++) {
+        const int nc = j->chunks[b], u0 = j->first[b];
+        if (nc == 1) continue;
+        for (int h = 0; h < nh; h++) {
+            float mx = -INFINITY, den = 0.0f;
+            for (int c = 0; c < nc; c++) mx = fmaxf(mx, s->part_m[(size_t)(u0 + c) * nh + h]);
+            float *o = s->att + ((size_t)b * nh + h) * hd;
+            memset(o, 0, sizeof(float) * (size_t)hd);
+            for (int c = 0; c < nc; c++) {
+                const size_t at = (size_t)(u0 + c) * nh + h;
+                const float w = expf(s->part_m[at] - mx);
+                den += w * s->part_l[at];
+                const float *p = s->part_o + at * hd;
+                for (int e = 0; e < hd; e++) o[e] += w * p[e];
+            }
+            const float inv = 1.0f / den;
+            for (int e = 0; e < hd; e++) o[e] *= inv;
+        }
     }
 }
 
@@ -168,23 +223,39 @@ static void attend_part(void *arg, int part, int n_parts) {
 static int stack_step(StackObject *s, int batch, float *h, const float *cis, const int64_t *slots, size_t slot_stride,
                       const int64_t *lens, const int64_t *slot_new, const float *thresholds, int64_t *kept) {
     const int d = s->d, nh = s->n_heads, nkv = s->n_kv, hd = s->head_dim, ffn = s->d_ffn, half = hd / 2;
-    const int group = nh / nkv;
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
-    int64_t longest = 0;
-    for (int b = 0; b < batch; b++) longest = lens[b] > longest ? lens[b] : longest;
-    const size_t need = (size_t)si4_pool_size() * (size_t)group * (size_t)longest;
+    /* the attention's units (the same for every layer) and scratch */
+    int first[SI4_MAX_BATCH + 1] = {0}, chunks[SI4_MAX_BATCH];
+    const int want = (si4_pool_size() + batch - 1) / batch; /* chunks per row for every thread to have one */
+    for (int b = 0; b < batch; b++) {
+        chunks[b] = n_chunks(lens[b], want);
+        first[b + 1] = first[b] + chunks[b];
+    }
+    const int n_units = first[batch];
+    const size_t need = (size_t)si4_pool_size() * (size_t)nh * ATTN_CHUNK;
     if (need > s->scores_n) {
         float *p = realloc(s->scores, sizeof(float) * need);
         if (!p) return -1;
         s->scores = p, s->scores_n = need;
     }
+    if ((size_t)n_units > s->part_units) {
+        float *o = realloc(s->part_o, sizeof(float) * (size_t)n_units * nh * hd);
+        if (o) s->part_o = o;
+        float *pm = realloc(s->part_m, sizeof(float) * (size_t)n_units * nh);
+        if (pm) s->part_m = pm;
+        float *pl = realloc(s->part_l, sizeof(float) * (size_t)n_units * nh);
+        if (pl) s->part_l = pl;
+        if (!o || !pm || !pl) return -1;
+        s->part_units = (size_t)n_units;
+    }
     int32_t counts[SI4_MAX_BATCH];
     const si4_attend_fn attend = si4_attend_for(si4_current_isa());
+    const si4_f16_store_fn store_f16 = si4_f16_store_for(si4_current_isa());
     for (int l = 0; l < s->n_layers; l++) {
         MatrixObject **m = s->proj + (size_t)l * N_PROJ;
         const float *t = thresholds + (size_t)l * N_PROJ;
         int64_t *kl = kept + (size_t)l * N_PROJ;
-        float *kc = s->k_cache[l], *vc = s->v_cache[l];
+        void *kc = s->k_cache[l], *vc = s->v_cache[l];
         /* kept[P] gains every row's own count of inputs read (the columns skipped per row) */
 #define GEMV(P, X, Y)                                                                                         \
     do {                                                                                                      \
@@ -208,15 +279,25 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
                     v[2 * j + 1] = a * sn + bb * c;
                 }
             }
-            memcpy(kc + (size_t)slot_new[b] * row, qkv + (size_t)nh * hd, sizeof(float) * row);
-            memcpy(vc + (size_t)slot_new[b] * row, qkv + (size_t)(nh + nkv) * hd, sizeof(float) * row);
+            const float *k = qkv + (size_t)nh * hd, *v = qkv + (size_t)(nh + nkv) * hd;
+            if (s->kv_f16) {
+                store_f16((uint16_t *)kc + (size_t)slot_new[b] * row, k, (int)row);
+                store_f16((uint16_t *)vc + (size_t)slot_new[b] * row, v, (int)row);
+            } else {
+                memcpy((float *)kc + (size_t)slot_new[b] * row, k, sizeof(float) * row);
+                memcpy((float *)vc + (size_t)slot_new[b] * row, v, sizeof(float) * row);
+            }
         }
-        attn_job job = {.s = s, .attend = attend, .kc = kc, .vc = vc, .slots = slots, .slot_stride = slot_stride, .lens = lens,
-                        .n_units = batch * nkv, .scores_per_part = (size_t)group * (size_t)longest};
+        attn_job job = {.s = s, .attend = attend, .kc = kc, .vc = vc, .slots = slots, .slot_stride = slot_stride,
+                        .lens = lens, .batch = batch, .n_units = n_units,
+                        .scores_per_part = (size_t)nh * ATTN_CHUNK};
+        memcpy(job.first, first, sizeof first);
+        memcpy(job.chunks, chunks, sizeof chunks);
         atomic_init(&job.next, 0);
         atomic_init(&job.part_ids, 0);
-        const int parts = si4_pool_size() < job.n_units ? si4_pool_size() : job.n_units;
+        const int parts = si4_pool_size() < n_units ? si4_pool_size() : n_units;
         si4_pool_run(attend_part, &job, parts);
+        attn_merge(&job);
         GEMV(P_O, s->att, s->out);
         for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
         for (int b = 0; b < batch; b++) rms_norm(h + (size_t)b * d, s->ffn_norm[l], s->x + (size_t)b * d, d, s->eps);

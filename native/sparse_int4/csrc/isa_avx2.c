@@ -39,7 +39,12 @@ static inline float hsum256(__m256 v) {
 }
 
 #define V_HSUM(v) hsum256(v)
+#define S_F16(h) _cvtsh_ss(h)
+#define S_TO_F16(f) _cvtss_sh((f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_STORE_F16(p, v) \
+    _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 #define ATTN_NAME si4_attend_avx2
+#define F16_STORE_NAME si4_f16_store_avx2
 #include "attn_body.h"
 
 #define PREPARE_NAME si4_prepare_avx2

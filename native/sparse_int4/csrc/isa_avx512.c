@@ -59,7 +59,12 @@ static inline __attribute__((always_inline)) int compact16(const float *x, size_
 #include "kernel_body.h"
 
 #define V_HSUM(v) _mm512_reduce_add_ps(v)
+#define S_F16(h) _cvtsh_ss(h)
+#define S_TO_F16(f) _cvtss_sh((f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_STORE_F16(p, v) \
+    _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 #define ATTN_NAME si4_attend_avx512
+#define F16_STORE_NAME si4_f16_store_avx512
 #include "attn_body.h"
 
 #define PREPARE_NAME si4_prepare_avx512

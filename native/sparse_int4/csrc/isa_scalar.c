@@ -50,7 +50,30 @@ static inline float half_to_float(uint16_t h) {
 #include "kernel_body.h"
 
 #define V_HSUM(v) (v)
+/* binary32 -> binary16, rounding to nearest even; overflow gives inf, NaN stays NaN. */
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    x &= 0x7fffffffu;
+    if (x >= 0x47800000u) /* |f| >= 65536, inf or NaN (65520 .. 65535 round up below) */
+        return sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u);
+    if (x < 0x38800000u) { /* below 2^-14: a subnormal half or zero. Adding 0.5 puts the half's */
+        float g;           /* bits at the bottom of the mantissa, rounded by the float add itself */
+        memcpy(&g, &x, sizeof g);
+        g += 0.5f;
+        uint32_t y;
+        memcpy(&y, &g, sizeof y);
+        return sign | (uint16_t)(y - 0x3f000000u);
+    }
+    /* normal: rebias the exponent (127 -> 15) and round the 13 dropped bits, ties to even */
+    x += 0xc8000fffu + ((x >> 13) & 1u); /* (15 - 127) << 23, plus just under half an ulp */
+    return sign | (uint16_t)(x >> 13);
+}
+#define S_F16(h) half_to_float(h)
+#define S_TO_F16(f) float_to_half(f)
 #define ATTN_NAME si4_attend_scalar
+#define F16_STORE_NAME si4_f16_store_scalar
 #include "attn_body.h"
 
 #define PREPARE_NAME si4_prepare_scalar

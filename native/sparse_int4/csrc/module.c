@@ -191,7 +191,7 @@ static int get_ptr(PyObject *obj, Py_buffer *view, int writable, size_t need, ch
     const char *f = view->format ? view->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
     if (fmt && (f[0] != fmt || f[1] != 0)) {
-        PyErr_Format(PyExc_TypeError, "%s must hold %s, not format '%s'", what, fmt == 'f' ? "float32" : "int32",
+        PyErr_Format(PyExc_TypeError, "%s must hold %s, not format '%s'", what, fmt == 'f' ? "float32" : fmt == 'H' ? "uint16" : "int32",
                      view->format ? view->format : "B");
     } else if ((size_t)view->len < need) {
         PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, the call needs %zu", what, view->len, need);
@@ -609,7 +609,31 @@ static PyObject *py_set_split_mode(PyObject *mod, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* to_f16(x, out): out (uint16 buffer) = x (float32 buffer) as fp16 bits, with the current ISA's
+ * conversion (the KV write of an fp16 cache in DecodeStack; tested against numpy). */
+static PyObject *py_to_f16(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "to_f16(x, out)");
+        return NULL;
+    }
+    Py_buffer vx, vo;
+    void *px, *po;
+    if (get_ptr(args[0], &vx, 0, 0, 'f', &px, "x") < 0) return NULL;
+    const Py_ssize_t n = vx.obj ? vx.len / 4 : 0;
+    if (!vx.obj || get_ptr(args[1], &vo, 1, (size_t)n * 2, 'H', &po, "out") < 0) {
+        if (!vx.obj) PyErr_SetString(PyExc_TypeError, "x must be a float32 buffer");
+        release(&vx);
+        return NULL;
+    }
+    si4_f16_store_for(g_isa)((uint16_t *)po, (const float *)px, (int)n);
+    release(&vx);
+    release(&vo);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"to_f16", (PyCFunction)(void (*)(void))py_to_f16, METH_FASTCALL, "to_f16(x, out): float32 -> fp16 bits."},
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this ISA (scalar, avx2, avx512); at most best_isa()."},
     {"isa", py_isa, METH_NOARGS, "The ISA whose kernels run."},
     {"best_isa", py_best_isa, METH_NOARGS, "The best ISA this CPU and build support."},

@@ -105,22 +105,29 @@ void si8_kernel_avx512vnni(const int8_t *w, const float *scale, int k, const si8
 int si8_gemv(si8_kernel_fn kernel, int parts, const int8_t *w, const float *scale, int n, int k, const float *x,
              size_t x_stride, int batch, float *y, size_t y_stride);
 
-/* One (sequence, KV head) unit of decode attention (attn_body.h; DecodeStack). */
+/* One (sequence, chunk of its context) unit of decode attention (attn_body.h; DecodeStack). */
+#define SI4_MAX_HEADS 256
 typedef struct {
-    const float *q;       /* (group, hd): the unit's query heads, adjacent */
-    const float *kc, *vc; /* the layer's caches: this KV head of slot s at kc + s * row + off */
-    const int64_t *slots; /* the n_ctx context slots */
-    int n_ctx, group, hd;
-    size_t row, off;
+    const float *q;       /* (n_kv * group, hd): the sequence's query heads */
+    const void *kc, *vc;  /* the layer's caches: position slot s at element s * row (n_kv * hd values) */
+    int kv_f16;           /* the caches hold fp16 values (else float) */
+    const int64_t *slots; /* the unit's n_ctx context slots */
+    int n_ctx, n_kv, group, hd;
+    size_t row;
     float scale;
-    float *scores; /* (group, n_ctx) scratch */
-    float *out;    /* (group, hd) */
+    float *scores; /* (n_kv * group, n_ctx) scratch */
+    float *out;    /* (n_kv * group, hd) */
+    float *m, *l;  /* NULL: the whole context, out normalised; else a chunk's per-head max and sum */
 } si4_attn_unit;
 typedef void (*si4_attend_fn)(const si4_attn_unit *u);
 void si4_attend_scalar(const si4_attn_unit *u);
+typedef void (*si4_f16_store_fn)(uint16_t *dst, const float *src, int n);
+void si4_f16_store_scalar(uint16_t *dst, const float *src, int n);
 #ifdef LLMLOCAL_X86_VARIANTS
 void si4_attend_avx2(const si4_attn_unit *u);
 void si4_attend_avx512(const si4_attn_unit *u);
+void si4_f16_store_avx2(uint16_t *dst, const float *src, int n);
+void si4_f16_store_avx512(uint16_t *dst, const float *src, int n);
 #endif
 
 /* Dispatch: 0 scalar, 1 avx2, 2 avx512. */
@@ -130,6 +137,7 @@ si4_kernel_fn si4_kernel_for(int isa);
 si4_prepare_fn si4_prepare_for(int isa);
 si8_kernel_fn si8_kernel_for(int isa);
 si4_attend_fn si4_attend_for(int isa);
+si4_f16_store_fn si4_f16_store_for(int isa);
 si4_dequant_fn si4_dequant_for(int isa);
 const char *si4_isa_name(int isa);
 
