@@ -55,8 +55,9 @@ ATTN_DOT(attn_dot_h, uint16_t, V_LOAD_F16, S_F16)
 ATTN_AXPY(attn_axpy, float, V_LOAD, ATTN_F32_1)
 ATTN_AXPY(attn_axpy_h, uint16_t, V_LOAD_F16, S_F16)
 
-/* The unit, for a float (f16 = 0) or fp16 (f16 = 1) cache: a constant, so each is its own loop. */
-ATTN_INLINE void attend(const si4_attn_unit *u, const int f16) {
+/* The unit, for a float (f16 = 0) or fp16 (f16 = 1) cache: a constant, so each is its own
+ * loop. Any head dimension, one query head at a time (see attend_vec for the common case). */
+ATTN_INLINE void attend_any(const si4_attn_unit *u, const int f16) {
     const int group = u->group, hd = u->hd, n = u->n_ctx, nh = u->n_kv * group;
     const size_t esize = f16 ? 2 : 4;
     float mx[SI4_MAX_HEADS], inv[SI4_MAX_HEADS];
@@ -96,11 +97,77 @@ ATTN_INLINE void attend(const si4_attn_unit *u, const int f16) {
     }
 }
 
+#define ATTN_MAXV 16 /* head dimensions of up to 16 vectors take attend_vec */
+
+/* One KV head's key or value at p (nv vectors), as floats. */
+ATTN_INLINE void load_head(vf *dst, const void *p, int nv, const int f16) {
+    for (int v = 0; v < nv; v++)
+        dst[v] = f16 ? V_LOAD_F16((const uint16_t *)p + v * VW) : V_LOAD((const float *)p + v * VW);
+}
+
+/* As attend_any, for a head dimension of whole vectors: each key and value of a KV head is
+ * converted once for its `group` query heads, and a score takes one horizontal sum. */
+ATTN_INLINE void attend_vec(const si4_attn_unit *u, const int f16) {
+    const int group = u->group, hd = u->hd, n = u->n_ctx, nkv = u->n_kv, nh = nkv * group, nv = hd / VW;
+    const size_t esize = f16 ? 2 : 4, head_bytes = (size_t)hd * esize, row_bytes = u->row * esize;
+    const vf one = V_SET1(1.0f);
+    float mx[SI4_MAX_HEADS], inv[SI4_MAX_HEADS];
+    for (int h = 0; h < nh; h++) mx[h] = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        const char *row = (const char *)u->kc + (size_t)u->slots[i] * row_bytes;
+        for (int g = 0; g < nkv; g++) {
+            vf k[ATTN_MAXV];
+            load_head(k, row + (size_t)g * head_bytes, nv, f16);
+            for (int h = g * group; h < (g + 1) * group; h++) {
+                const float *q = u->q + (size_t)h * hd;
+                vf a0 = V_ZERO(), a1 = V_ZERO();
+                int v = 0;
+                for (; v + 2 <= nv; v += 2) {
+                    a0 = V_FMA(V_LOAD(q + v * VW), k[v], a0);
+                    a1 = V_FMA(V_LOAD(q + (v + 1) * VW), k[v + 1], a1);
+                }
+                if (v < nv) a0 = V_FMA(V_LOAD(q + v * VW), k[v], a0);
+                const float s = V_HSUM(V_FMA(a1, one, a0)) * u->scale;
+                u->scores[(size_t)h * n + i] = s;
+                mx[h] = s > mx[h] ? s : mx[h];
+            }
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        float *sc = u->scores + (size_t)h * n, sum = 0.0f;
+        for (int i = 0; i < n; i++) sum += (sc[i] = expf(sc[i] - mx[h]));
+        if (u->m) { /* a chunk: the merge normalises */
+            u->m[h] = mx[h], u->l[h] = sum;
+            inv[h] = 1.0f;
+        } else {
+            inv[h] = 1.0f / sum;
+        }
+    }
+    memset(u->out, 0, sizeof(float) * (size_t)nh * hd);
+    for (int i = 0; i < n; i++) {
+        const char *row = (const char *)u->vc + (size_t)u->slots[i] * row_bytes;
+        for (int g = 0; g < nkv; g++) {
+            vf val[ATTN_MAXV];
+            load_head(val, row + (size_t)g * head_bytes, nv, f16);
+            for (int h = g * group; h < (g + 1) * group; h++) {
+                const vf p = V_SET1(u->scores[(size_t)h * n + i] * inv[h]);
+                float *o = u->out + (size_t)h * hd;
+                for (int v = 0; v < nv; v++) V_STORE(o + v * VW, V_FMA(p, val[v], V_LOAD(o + v * VW)));
+            }
+        }
+    }
+}
+
 void ATTN_NAME(const si4_attn_unit *u) {
-    if (u->kv_f16)
-        attend(u, 1);
+    const int vec = u->hd % VW == 0 && u->hd / VW <= ATTN_MAXV;
+    if (vec && u->kv_f16)
+        attend_vec(u, 1);
+    else if (vec)
+        attend_vec(u, 0);
+    else if (u->kv_f16)
+        attend_any(u, 1);
     else
-        attend(u, 0);
+        attend_any(u, 0);
 }
 
 /* dst[i] = src[i] as IEEE binary16, rounded to nearest even (the KV write of an fp16 cache) */
