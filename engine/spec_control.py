@@ -5,7 +5,11 @@ the previous ones), drafting k tokens yields E(k) = 1 + a + ... + a^k = (1 - a^(
 tokens per target step. A step costs the target's forward pass over B + sum(k_i) tokens plus
 the draft's k_max passes. Both costs are modelled as t(M) = c + s * M for a pass over M
 tokens (fixed cost: weights read once and per-pass overhead; s: per-token compute) and
-fitted by least squares over the last steps. Each step the controller picks, among "the m
+fitted by least squares over the last steps. The target has two fits: steps where every
+sequence decodes one token ("plain": on a CPU the native one-call decode path, several times
+cheaper than the torch layers that verify drafts), and all other steps (drafts, prefill);
+not drafting is priced with the first, drafting with the second. Until four plain steps are
+measured, not drafting is priced with the second fit too. Each step the controller picks, among "the m
 sequences with the best acceptance draft k tokens, the others none", the choice with the most
 tokens per second, so a sequence whose drafts are mostly wrong stops drafting, and a large
 batch (where the target's pass is no longer cheap per extra token) drafts less or not at all.
@@ -80,20 +84,30 @@ class DraftLength:
     def __init__(self, k_max: int = 8, fixed: int | None = None, draft_ratio: float = 0.25) -> None:
         self.k_max = fixed if fixed is not None else k_max
         self.fixed = fixed
-        self.target = LinearCost(fixed=1.0, per_token=0.02)
+        self.target = LinearCost(fixed=1.0, per_token=0.02)  # steps with drafts or prefill
+        self.plain = LinearCost(fixed=1.0, per_token=0.02)  # steps of one-token decodes only
         self.draft = LinearCost(fixed=draft_ratio, per_token=0.02 * draft_ratio)
         self._acc: dict[int, _Acceptance] = {}
 
     def rate(self, seq_id: int) -> float:
         return self._acc.setdefault(seq_id, _Acceptance()).rate
 
-    def observe_target(self, tokens: int, seconds: float) -> None:
+    def observe_target(self, tokens: int, seconds: float, plain: bool = False) -> None:
+        """A target step over ``tokens`` tokens took ``seconds``; ``plain``: every sequence of
+        the step decoded one token (no drafts, no prefill)."""
+        if plain:
+            self.plain.observe(tokens, seconds)
+            return
         if not self.target.history and not self.draft.history:
             # the draft's prior is relative to the target's: keep it so in seconds
             scale = seconds / self.target(tokens)
             self.draft.fixed *= scale
             self.draft.per_token *= scale
         self.target.observe(tokens, seconds)
+
+    def _plain_cost(self, batch: int) -> float:
+        """Seconds of a step without drafts: measured on plain steps once there are some."""
+        return self.plain(batch) if len(self.plain.history) >= 4 else self.target(batch)
 
     def observe_draft(self, tokens: int, passes: int, seconds: float) -> None:
         """The draft ran ``passes`` forward passes over ``tokens`` tokens in all."""
@@ -129,7 +143,7 @@ class DraftLength:
             return {sid: max(0, min(1, room[sid])) for sid in seq_ids}
         order = sorted(seq_ids, key=self.rate, reverse=True)
         rates = [self.rate(s) for s in order]
-        best = (batch / self.target(batch), 0, 0)  # (tokens per second, k, how many draft)
+        best = (batch / self._plain_cost(batch), 0, 0)  # (tokens per second, k, how many draft)
         for k in range(1, self.k_max + 1):
             gained = 0.0
             for m in range(1, len(order) + 1):

@@ -294,7 +294,8 @@ class PagedBackend:
         logits, sampled_items = self.runner.execute(items)
         new_tokens = self._sample(logits, sampled_items)
         if self.draft_length is not None:
-            self.draft_length.observe_target(out.num_batched_tokens, time.perf_counter() - t0)
+            plain = all(s.num_tokens == 1 and s.start > 0 for s in out.items)
+            self.draft_length.observe_target(out.num_batched_tokens, time.perf_counter() - t0, plain)
         sampled: dict[int, int] = {}
         accepted: dict[int, int] = {}
         stopped: set[int] = set()
