@@ -27,16 +27,6 @@ FP32_EPS = float(np.finfo(np.float32).eps)
 SHAPES = [(1, 64), (7, 33), (37, 70), (258, 96), (1030, 576)]
 
 
-@pytest.fixture(params=["avx512", "avx2", "scalar"])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param not in si4.available_isas():
-        pytest.skip(f"this CPU or build has no {request.param} path")
-    before = si4.isa()
-    si4.set_isa(request.param)
-    yield request.param
-    si4.set_isa(before)
-
-
 @pytest.fixture(params=[1, 2])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     before = si4.num_threads()

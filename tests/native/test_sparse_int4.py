@@ -38,16 +38,6 @@ SHAPES = [(1, 32), (33, 64), (100, 96), (200, 576), (576, 576), (1000, 1536)]
 SPARSITY = [None, 0.0, 0.5, 0.95, 1.0]  # None: dense; else the quantile of |x| used as threshold
 
 
-@pytest.fixture(params=["avx512", "avx2", "scalar"])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param not in si4.available_isas():
-        pytest.skip(f"this CPU or build has no {request.param} path")
-    before = si4.isa()
-    si4.set_isa(request.param)
-    yield request.param
-    si4.set_isa(before)
-
-
 @pytest.fixture(params=["1", "2-by-groups", "2-by-rows"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     """1 or 2 threads; 2 threads split a call by groups of columns or by rows."""

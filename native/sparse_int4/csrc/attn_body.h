@@ -55,6 +55,22 @@ ATTN_DOT(attn_dot_h, uint16_t, V_LOAD_F16, S_F16)
 ATTN_AXPY(attn_axpy, float, V_LOAD, ATTN_F32_1)
 ATTN_AXPY(attn_axpy_h, uint16_t, V_LOAD_F16, S_F16)
 
+/* scores[h] <- e^(scores[h] - mx[h]) for each of the nh heads; inv[h]: the factor that
+ * normalises them (1 for a chunk, whose max and sum go to u->m, u->l for the merge). */
+ATTN_INLINE void attn_softmax(const si4_attn_unit *u, int nh, const float *mx, float *inv) {
+    const int n = u->n_ctx;
+    for (int h = 0; h < nh; h++) {
+        float *sc = u->scores + (size_t)h * n, sum = 0.0f;
+        for (int i = 0; i < n; i++) sum += (sc[i] = expf(sc[i] - mx[h]));
+        if (u->m) {
+            u->m[h] = mx[h], u->l[h] = sum;
+            inv[h] = 1.0f;
+        } else {
+            inv[h] = 1.0f / sum;
+        }
+    }
+}
+
 /* The unit, for a float (f16 = 0) or fp16 (f16 = 1) cache: a constant, so each is its own
  * loop. Any head dimension, one query head at a time (see attend_vec for the common case). */
 ATTN_INLINE void attend_any(const si4_attn_unit *u, const int f16) {
@@ -73,16 +89,7 @@ ATTN_INLINE void attend_any(const si4_attn_unit *u, const int f16) {
             mx[h] = s > mx[h] ? s : mx[h];
         }
     }
-    for (int h = 0; h < nh; h++) {
-        float *sc = u->scores + (size_t)h * n, sum = 0.0f;
-        for (int i = 0; i < n; i++) sum += (sc[i] = expf(sc[i] - mx[h]));
-        if (u->m) { /* a chunk: the merge normalises */
-            u->m[h] = mx[h], u->l[h] = sum;
-            inv[h] = 1.0f;
-        } else {
-            inv[h] = 1.0f / sum;
-        }
-    }
+    attn_softmax(u, nh, mx, inv);
     memset(u->out, 0, sizeof(float) * (size_t)nh * hd);
     for (int i = 0; i < n; i++) {
         const char *row = (const char *)u->vc + (size_t)u->slots[i] * u->row * esize;
@@ -133,16 +140,7 @@ ATTN_INLINE void attend_vec(const si4_attn_unit *u, const int f16) {
             }
         }
     }
-    for (int h = 0; h < nh; h++) {
-        float *sc = u->scores + (size_t)h * n, sum = 0.0f;
-        for (int i = 0; i < n; i++) sum += (sc[i] = expf(sc[i] - mx[h]));
-        if (u->m) { /* a chunk: the merge normalises */
-            u->m[h] = mx[h], u->l[h] = sum;
-            inv[h] = 1.0f;
-        } else {
-            inv[h] = 1.0f / sum;
-        }
-    }
+    attn_softmax(u, nh, mx, inv);
     memset(u->out, 0, sizeof(float) * (size_t)nh * hd);
     for (int i = 0; i < n; i++) {
         const char *row = (const char *)u->vc + (size_t)u->slots[i] * row_bytes;

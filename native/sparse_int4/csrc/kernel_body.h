@@ -35,6 +35,20 @@ typedef struct {
     size_t off;
 } prefetch_t;
 
+/* The factors (d, m) of group g for the VW rows from `row`: w = q * d + m. */
+ALWAYS_INLINE void load_factors(const si4_matrix *m, int g, int row, vf *d, vf *mn) {
+    const size_t at = (size_t)g * 2 * m->npad + row;
+    if (m->sz_f16) {
+        const uint16_t *dp = (const uint16_t *)m->sz + at;
+        *d = V_LOAD_F16(dp);
+        *mn = V_LOAD_F16(dp + m->npad);
+    } else {
+        const float *sp = (const float *)m->sz + at;
+        *d = V_LOAD(sp);
+        *mn = V_FMA(V_SET1(-8.0f), *d, V_LOAD(sp + m->npad)); /* m = z - 8 s */
+    }
+}
+
 /* One row block (NC chunks of 32 rows starting at `row`) of group g, for batch rows b0 .. b0+BB-1. */
 ALWAYS_INLINE void block(const si4_matrix *m, const si4_acts *a, int g, int row, float *ybuf,
                          const int BB, const int b0, const int NC, const prefetch_t pf) {
@@ -78,15 +92,7 @@ ALWAYS_INLINE void block(const si4_matrix *m, const si4_acts *a, int g, int row,
 #pragma GCC unroll 16
         for (int v = 0; v < NV; v++) {
             vf d, mn;
-            if (m->sz_f16) {
-                const uint16_t *dp = (const uint16_t *)m->sz + (size_t)g * 2 * npad + row + v * VW;
-                d = V_LOAD_F16(dp);
-                mn = V_LOAD_F16(dp + npad);
-            } else {
-                const float *sp = (const float *)m->sz + (size_t)g * 2 * npad + row + v * VW;
-                d = V_LOAD(sp);
-                mn = V_FMA(V_SET1(-8.0f), d, V_LOAD(sp + npad)); /* m = z - 8 s */
-            }
+            load_factors(m, g, row + v * VW, &d, &mn);
             vf yv = V_LOAD(y + v * VW);
             yv = V_FMA(mn, xs, yv);
             yv = V_FMA(d, acc[b * NV + v], yv);
@@ -184,7 +190,6 @@ void KERNEL_NAME(const si4_matrix *m, const si4_acts *a, int row0, int row1, int
  * dozen rows on): out[(j - j0) * out_stride + (n - row0)] = W[n, j] = q * d + m, for the
  * columns [j0, j1) and the rows [row0, row1) (multiples of 32, row1 <= npad). */
 void DEQUANT_NAME(const si4_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride) {
-    const int npad = m->npad;
     for (int j = j0; j < j1; j++) {
         const int g = j / m->group;
         const uint8_t *p = m->codes + (size_t)j * m->colstride;
@@ -195,15 +200,7 @@ void DEQUANT_NAME(const si4_matrix *m, int j0, int j1, int row0, int row1, float
 #pragma GCC unroll 32
             for (int v = 0; v < CV; v++) {
                 vf d, mn;
-                if (m->sz_f16) {
-                    const uint16_t *dp = (const uint16_t *)m->sz + (size_t)g * 2 * npad + row + v * VW;
-                    d = V_LOAD_F16(dp);
-                    mn = V_LOAD_F16(dp + npad);
-                } else {
-                    const float *sp = (const float *)m->sz + (size_t)g * 2 * npad + row + v * VW;
-                    d = V_LOAD(sp);
-                    mn = V_FMA(V_SET1(-8.0f), d, V_LOAD(sp + npad)); /* m = z - 8 s */
-                }
+                load_factors(m, g, row + v * VW, &d, &mn);
                 V_STORE(o + row + v * VW, V_FMA(q[v], d, mn));
             }
         }
