@@ -102,12 +102,16 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     for (Py_ssize_t i = 0; i < L; i++) {
         PyObject *t = PyList_GET_ITEM(layers, i);
         PyObject *an, *fn, *kc, *vc, *m[N_PROJ];
-        if (!PyArg_ParseTuple(t, "OO!O!O!O!OOO", &an, &si4_matrix_type, &m[P_QKV], &si4_matrix_type, &m[P_O], &si4_matrix_type,
-                              &m[P_GU], &si4_matrix_type, &m[P_DOWN], &fn, &kc, &vc)) {
+        if (!PyArg_ParseTuple(t, "OOOOOOOO", &an, &m[P_QKV], &m[P_O], &m[P_GU], &m[P_DOWN], &fn, &kc, &vc)) {
             Py_DECREF(self);
             return NULL;
         }
         for (int p = 0; p < N_PROJ; p++) {
+            if (!PyObject_TypeCheck(m[p], &si4_matrix_type) && !PyObject_TypeCheck(m[p], &si4_qmatrix_type)) {
+                PyErr_Format(PyExc_TypeError, "DecodeStack: layer %zd projection %d is not a Matrix or QMatrix", i, p);
+                Py_DECREF(self);
+                return NULL;
+            }
             const si4_matrix *mm = &((MatrixObject *)m[p])->m;
             if (mm->n != want[p][0] || mm->k != want[p][1]) {
                 PyErr_Format(PyExc_ValueError, "DecodeStack: layer %zd projection %d is %d x %d, not %d x %d", i, p,
@@ -260,7 +264,7 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
 #define GEMV(P, X, Y)                                                                                         \
     do {                                                                                                      \
         const int dense = !(t[P] > 0);                                                                        \
-        if (si4_gemv_locked(&m[P]->m, (X), (size_t)m[P]->m.k, batch, (Y), (size_t)m[P]->m.n,                   \
+        if (si4_gemv_locked(m[P], (X), (size_t)m[P]->m.k, batch, (Y), (size_t)m[P]->m.n,                   \
                             dense ? 0.0f : t[P], dense, counts) < 0)                                          \
             return -1;                                                                                        \
         for (int b = 0; b < batch; b++) kl[P] += dense ? m[P]->m.k : counts[b];                              \

@@ -10,6 +10,8 @@
  *                                              kept alive, no copy
  *   Int8Matrix.gemv(x, y, batch, x_stride, y_stride)   y = W x (x quantized per 32, see int8_gemv.c)
  *   Matrix.dequantize(out, row0, row1, out_stride)   rows of W as float32, transposed (prefill matmuls)
+ *   QMatrix(type, codes, d, m, sc, mn, n, k)   a GGUF-typed weight in its own bytes (qlayout.py), with
+ *                                              the same gemv and dequantize (int8 activations, qmat.h)
  *   DecodeStack(config, layers).step(...)    a decoder's layers for one decode token of 1-8 sequences
  *   set_isa(name) / isa() / best_isa(), set_num_threads(n) / num_threads(),
  *   set_spin_us(us) / spin_us(), set_min_part_bytes(b) / min_part_bytes(),
@@ -43,9 +45,11 @@ int si4_current_isa(void) { return g_isa; }
 
 static struct {
     int32_t *cols, *goff;
-    float *xv, *xs, *ybuf;
-    size_t cols_n, goff_n, xv_n, xs_n, ybuf_n;
+    float *xv, *xs, *ybuf, *dx;
+    int8_t *qx;
+    size_t cols_n, goff_n, xv_n, xs_n, ybuf_n, dx_n, qx_n;
 } S;
+static qm_kernel_fn g_qkernel;
 
 static int grow(void **p, size_t *cap, size_t n, size_t elem) {
     if (n <= *cap) return 0;
@@ -68,9 +72,14 @@ static int grow(void **p, size_t *cap, size_t n, size_t elem) {
  * Splitting by groups keeps each column's whole run of rows in one thread: longer runs
  * stream better from memory (the pieces hold about equal numbers of kept columns). */
 typedef struct {
-    const si4_matrix *m;
+    const si4_matrix *m; /* n, npad (and, without qm, the INT4 matrix) */
     const si4_acts *a;
     si4_kernel_fn kernel;
+    const qm_matrix *qm; /* a QMatrix: its matrix, acts and kernel instead */
+    const qm_acts *qa;
+    qm_kernel_fn qkernel;
+    int batch, n_groups;
+    const int32_t *goff; /* the groups' offsets into the kept columns (or slots) */
     float *ybuf;       /* (pieces if by groups else 1, batch, npad) */
     float *y;
     size_t y_stride;
@@ -82,9 +91,14 @@ typedef struct {
 
 static void copy_out(const job_t *j, int r0, int r1) {
     const int rn = r1 < j->m->n ? r1 : j->m->n;
-    for (int b = 0; b < j->a->batch && rn > r0; b++)
+    for (int b = 0; b < j->batch && rn > r0; b++)
         memcpy(j->y + (size_t)b * j->y_stride + r0, j->ybuf + (size_t)b * j->m->npad + r0,
                sizeof(float) * (size_t)(rn - r0));
+}
+
+static void run_kernel(const job_t *j, int r0, int r1, int g0, int g1, float *ybuf) {
+    if (j->qm) j->qkernel(j->qm, j->qa, r0, r1, g0, g1, ybuf);
+    else j->kernel(j->m, j->a, r0, r1, g0, g1, ybuf);
 }
 
 static void run_part(void *arg, int part, int n_parts) {
@@ -93,22 +107,21 @@ static void run_part(void *arg, int part, int n_parts) {
     const int npad = j->m->npad, units = (npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
     for (int c; (c = atomic_fetch_add(&j->next, 1)) < j->n_pieces;) {
         if (j->by_groups) {
-            j->kernel(j->m, j->a, 0, npad, j->gbound[c], j->gbound[c + 1],
-                      j->ybuf + (size_t)c * j->a->batch * npad);
+            run_kernel(j, 0, npad, j->gbound[c], j->gbound[c + 1], j->ybuf + (size_t)c * j->batch * npad);
             continue;
         }
         const int u0 = (int)((long)units * c / j->n_pieces), u1 = (int)((long)units * (c + 1) / j->n_pieces);
         const int r0 = u0 * SI4_UNIT_ROWS, r1 = u1 * SI4_UNIT_ROWS < npad ? u1 * SI4_UNIT_ROWS : npad;
         if (r0 >= r1) continue;
-        j->kernel(j->m, j->a, r0, r1, 0, j->a->n_groups, j->ybuf);
+        run_kernel(j, r0, r1, 0, j->n_groups, j->ybuf);
         copy_out(j, r0, r1);
     }
 }
 
 /* y = the sum of the pieces' partial products (by groups). */
 static void sum_pieces(const job_t *j) {
-    const size_t npad = (size_t)j->m->npad, slice = (size_t)j->a->batch * npad;
-    for (int b = 0; b < j->a->batch; b++) {
+    const size_t npad = (size_t)j->m->npad, slice = (size_t)j->batch * npad;
+    for (int b = 0; b < j->batch; b++) {
         float *y = j->y + (size_t)b * j->y_stride;
         const float *p = j->ybuf + (size_t)b * npad;
         for (int n = 0; n < j->m->n; n++) {
@@ -122,12 +135,12 @@ static void sum_pieces(const job_t *j) {
 /* Splits the job between `parts` threads (see job_t); ybuf must hold parts * batch * npad. */
 static void plan_job(job_t *j, int parts) {
     const int units = (j->m->npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
-    const int G = j->a->n_groups;
+    const int G = j->n_groups;
     j->by_groups = parts > 1 && parts <= MAX_GROUP_PIECES && parts <= G &&
                    (g_split_mode == 1 || (g_split_mode == 2 && G >= 32 * parts));
     if (j->by_groups) {
         j->n_pieces = parts;
-        const int32_t *goff = j->a->goff;
+        const int32_t *goff = j->goff;
         const long kept = goff[G];
         int g = 0;
         for (int c = 0; c <= parts; c++) { /* first group with at least kept * c / parts before it */
@@ -143,10 +156,48 @@ static void plan_job(job_t *j, int parts) {
 
 /* ---------------------------------------------------------------- one GEMV (under the lock) */
 
+/* The thread count for `bytes` of weight data, and the job split between them. */
+static void share_out(job_t *job, size_t bytes) {
+    int parts = (int)(bytes / (g_min_part_bytes ? g_min_part_bytes : 1));
+    const int units = (job->m->npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
+    if (parts > units) parts = units;
+    if (parts < 1) parts = 1;
+    if (parts > si4_pool_size()) parts = si4_pool_size();
+    /* Pieces are taken dynamically, so the caller also takes those of a worker that has not
+     * started (asleep, or its core busy). */
+    plan_job(job, parts);
+    si4_pool_run(run_part, job, parts);
+    if (job->by_groups) sum_pieces(job);
+}
+
+/* y = W x' for a QMatrix: x quantized per 32 inputs (qmat.h). */
+static int qm_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stride, int batch, float *py,
+                          size_t y_stride, float threshold, int dense, int32_t *pcnt) {
+    const qm_matrix *q = &mo->q;
+    const int G = q->k / q->group;
+    const size_t slots = (size_t)q->k + 4 * (size_t)G, nq = (size_t)q->k / QM_QBLOCK;
+    if (grow((void **)&S.cols, &S.cols_n, slots, 4) || grow((void **)&S.goff, &S.goff_n, G + 1, 4) ||
+        grow((void **)&S.qx, &S.qx_n, slots * batch, 1) || grow((void **)&S.dx, &S.dx_n, nq * batch, 4) ||
+        grow((void **)&S.xs, &S.xs_n, (size_t)G * batch, 4) ||
+        grow((void **)&S.ybuf, &S.ybuf_n, (size_t)q->npad * batch * si4_pool_size(), 4))
+        return -1;
+    int n_slots;
+    const int n_kept = qm_prepare(px, x_stride, batch, q->k, q->group, threshold, dense, S.cols, S.goff, S.qx, slots,
+                                  S.dx, nq, S.xs, pcnt, &n_slots);
+    qm_acts a = {.batch = batch, .n_groups = G, .n_slots = n_slots, .cols = S.cols, .goff = S.goff, .qx = S.qx,
+                 .qx_stride = slots, .dx = S.dx, .dx_stride = nq, .xs = S.xs};
+    job_t job = {.m = &mo->m, .qm = q, .qa = &a, .qkernel = g_qkernel, .batch = batch, .n_groups = G, .goff = S.goff,
+                 .ybuf = S.ybuf, .y = py, .y_stride = y_stride};
+    share_out(&job, (size_t)n_kept * q->colstride * batch);
+    return n_kept;
+}
+
 /* y = W x' for `batch` rows; returns the columns read (the union over the rows), -1 when out
  * of memory. The caller holds si4_call_lock. */
-int si4_gemv_locked(const si4_matrix *m, const float *px, size_t x_stride, int batch, float *py, size_t y_stride,
-                       float threshold, int dense, int32_t *pcnt) {
+int si4_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stride, int batch, float *py, size_t y_stride,
+                    float threshold, int dense, int32_t *pcnt) {
+    if (mo->quant) return qm_gemv_locked(mo, px, x_stride, batch, py, y_stride, threshold, dense, pcnt);
+    const si4_matrix *m = &mo->m;
     const int G = m->k / m->group;
     if (grow((void **)&S.cols, &S.cols_n, m->k, 4) || grow((void **)&S.goff, &S.goff_n, G + 1, 4) ||
         grow((void **)&S.xv, &S.xv_n, (size_t)m->k * batch, 4) || grow((void **)&S.xs, &S.xs_n, (size_t)G * batch, 4) ||
@@ -155,19 +206,10 @@ int si4_gemv_locked(const si4_matrix *m, const float *px, size_t x_stride, int b
     const int n_kept = g_prepare(px, x_stride, batch, m->k, m->group, threshold, dense, S.cols, S.goff, S.xv, S.xs, pcnt);
     si4_acts a = {.batch = batch, .n_groups = G, .n_kept = n_kept, .cols = S.cols, .goff = S.goff,
                   .xv = S.xv, .xv_stride = (size_t)m->k, .xs = S.xs};
-    job_t job = {.m = m, .a = &a, .kernel = g_kernel, .ybuf = S.ybuf, .y = py, .y_stride = y_stride};
+    job_t job = {.m = m, .a = &a, .kernel = g_kernel, .batch = batch, .n_groups = G, .goff = S.goff, .ybuf = S.ybuf,
+                 .y = py, .y_stride = y_stride};
     /* enough weight bytes per thread to pay for the hand-off */
-    const size_t bytes = (size_t)n_kept * m->colstride * batch;
-    int parts = (int)(bytes / (g_min_part_bytes ? g_min_part_bytes : 1));
-    const int units = (m->npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
-    if (parts > units) parts = units;
-    if (parts < 1) parts = 1;
-    if (parts > si4_pool_size()) parts = si4_pool_size();
-    /* Pieces are taken dynamically, so the caller also takes those of a worker that has not
-     * started (asleep, or its core busy). */
-    plan_job(&job, parts);
-    si4_pool_run(run_part, &job, parts);
-    if (job.by_groups) sum_pieces(&job);
+    share_out(&job, (size_t)n_kept * m->colstride * batch);
     return n_kept;
 }
 
@@ -213,6 +255,10 @@ static void release(Py_buffer *view) {
 static void Matrix_dealloc(MatrixObject *self) {
     release(&self->codes);
     release(&self->sz);
+    release(&self->qd);
+    release(&self->qm);
+    release(&self->qsc);
+    release(&self->qmn);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -228,7 +274,7 @@ static PyObject *Matrix_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     }
     MatrixObject *self = (MatrixObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
-    self->codes.obj = self->sz.obj = NULL;
+    self->codes.obj = self->sz.obj = self->qd.obj = self->qm.obj = self->qsc.obj = self->qmn.obj = NULL;
     const int npad = (n + SI4_CHUNK_ROWS - 1) / SI4_CHUNK_ROWS * SI4_CHUNK_ROWS;
     const size_t colstride = (size_t)npad / 2;
     const size_t sz_bytes = (size_t)(k / group) * 2 * npad * (sz_f16 ? 2 : 4);
@@ -255,6 +301,7 @@ static PyObject *Matrix_gemv(MatrixObject *self, PyObject *const *args, Py_ssize
     }
     const si4_matrix *m = &self->m;
     const long batch = PyLong_AsLong(args[2]);
+    /* m->n, m->k are the shape of either kind */
     const Py_ssize_t xs_ = PyLong_AsSsize_t(args[3]), ys_ = PyLong_AsSsize_t(args[4]);
     const double threshold = PyFloat_AsDouble(args[5]);
     const int dense = PyObject_IsTrue(args[6]);
@@ -282,7 +329,7 @@ static PyObject *Matrix_gemv(MatrixObject *self, PyObject *const *args, Py_ssize
     int n_kept;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&si4_call_lock);
-    n_kept = si4_gemv_locked(m, px, x_stride, (int)batch, py, y_stride, (float)threshold, dense, pcnt);
+    n_kept = si4_gemv_locked(self, px, x_stride, (int)batch, py, y_stride, (float)threshold, dense, pcnt);
     pthread_mutex_unlock(&si4_call_lock);
     Py_END_ALLOW_THREADS
     release(&vx);
@@ -297,6 +344,7 @@ static PyObject *Matrix_gemv(MatrixObject *self, PyObject *const *args, Py_ssize
 typedef struct {
     const si4_matrix *m;
     si4_dequant_fn fn;
+    const qm_matrix *qm; /* a QMatrix: qm_dequant instead */
     float *out;
     size_t stride;
     int row0, row1;
@@ -309,7 +357,8 @@ static void run_dequant(void *arg, int part, int n_parts) {
     const int pieces = (j->m->k + DEQUANT_PIECE - 1) / DEQUANT_PIECE;
     for (int c; (c = atomic_fetch_add(&j->next, 1)) < pieces;) {
         const int j0 = c * DEQUANT_PIECE, j1 = j0 + DEQUANT_PIECE < j->m->k ? j0 + DEQUANT_PIECE : j->m->k;
-        j->fn(j->m, j0, j1, j->row0, j->row1, j->out + (size_t)j0 * j->stride, j->stride);
+        if (j->qm) qm_dequant(j->qm, j0, j1, j->row0, j->row1, j->out + (size_t)j0 * j->stride, j->stride);
+        else j->fn(j->m, j0, j1, j->row0, j->row1, j->out + (size_t)j0 * j->stride, j->stride);
     }
 }
 
@@ -334,7 +383,7 @@ static PyObject *Matrix_dequantize(MatrixObject *self, PyObject *const *args, Py
     void *po;
     if (get_ptr(args[0], &vo, 1, sizeof(float) * ((size_t)stride * (m->k - 1) + (size_t)(row1 - row0)), 'f', &po, "out") < 0)
         return NULL;
-    dequant_job job = {.m = m, .fn = g_dequant, .out = po, .stride = (size_t)stride, .row0 = (int)row0, .row1 = (int)row1};
+    dequant_job job = {.m = m, .fn = g_dequant, .qm = self->quant ? &self->q : NULL, .out = po, .stride = (size_t)stride, .row0 = (int)row0, .row1 = (int)row1};
     atomic_init(&job.next, 0);
     const size_t bytes = (size_t)m->k * (size_t)(row1 - row0) * 4; /* written */
     size_t parts = bytes / (g_min_part_bytes ? g_min_part_bytes : 1);
@@ -372,6 +421,77 @@ PyTypeObject si4_matrix_type = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Packed INT4 weight (see layout.py) bound to the GEMV kernels.",
     .tp_new = Matrix_new,
+    .tp_dealloc = (destructor)Matrix_dealloc,
+    .tp_methods = Matrix_methods,
+    .tp_getset = Matrix_getset,
+};
+
+/* ---------------------------------------------------------------- QMatrix */
+
+/* The format of each GGUF type (qmat.h): bits, group, d per, off, and which factor arrays it has. */
+typedef struct {
+    int type, bits, group, dgroup, off, has_m, has_sc, sc_signed, has_mn;
+    const char *name;
+} qm_format;
+
+static const qm_format QM_FORMATS[] = {
+    {QM_Q4_0, 4, 32, 32, 8, 0, 0, 0, 0, "Q4_0"},    {QM_Q4_1, 4, 32, 32, 0, 1, 0, 0, 0, "Q4_1"},
+    {QM_Q5_0, 5, 32, 32, 16, 0, 0, 0, 0, "Q5_0"},   {QM_Q5_1, 5, 32, 32, 0, 1, 0, 0, 0, "Q5_1"},
+    {QM_Q8_0, 8, 32, 32, 0, 0, 0, 0, 0, "Q8_0"},    {QM_Q4_K, 4, 32, 256, 0, 1, 1, 0, 1, "Q4_K"},
+    {QM_Q5_K, 5, 32, 256, 0, 1, 1, 0, 1, "Q5_K"},   {QM_Q6_K, 6, 16, 256, 32, 0, 1, 1, 0, "Q6_K"},
+};
+
+/* QMatrix(type, codes, d, m, sc, mn, n, k): the arrays of qlayout.py (kept alive, no copy);
+ * m, sc, mn None where the type has none. */
+static PyObject *QMatrix_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"type", "codes", "d", "m", "sc", "mn", "n", "k", NULL};
+    PyObject *codes, *d, *m, *sc, *mn;
+    int qtype, n, k;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOOOii", kwlist, &qtype, &codes, &d, &m, &sc, &mn, &n, &k))
+        return NULL;
+    const qm_format *f = NULL;
+    for (size_t i = 0; i < sizeof QM_FORMATS / sizeof QM_FORMATS[0]; i++)
+        if (QM_FORMATS[i].type == qtype) f = &QM_FORMATS[i];
+    if (!f) return PyErr_Format(PyExc_ValueError, "QMatrix: ggml type %d has no native kernel", qtype);
+    if (n < 1 || k < 1 || k % f->dgroup)
+        return PyErr_Format(PyExc_ValueError, "QMatrix: %s needs k a multiple of %d, not n=%d, k=%d", f->name, f->dgroup, n, k);
+    if ((m != Py_None) != f->has_m || (sc != Py_None) != f->has_sc || (mn != Py_None) != f->has_mn)
+        return PyErr_Format(PyExc_ValueError, "QMatrix: %s takes m %s, sc %s, mn %s", f->name, f->has_m ? "yes" : "None",
+                            f->has_sc ? "yes" : "None", f->has_mn ? "yes" : "None");
+    MatrixObject *self = (MatrixObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->codes.obj = self->sz.obj = self->qd.obj = self->qm.obj = self->qsc.obj = self->qmn.obj = NULL;
+    const int npad = (n + SI4_CHUNK_ROWS - 1) / SI4_CHUNK_ROWS * SI4_CHUNK_ROWS;
+    const size_t colstride = (size_t)npad * f->bits / 8, nd = (size_t)(k / f->dgroup) * npad, ng = (size_t)(k / f->group) * npad;
+    void *pc, *pd, *pm = NULL, *psc = NULL, *pmn = NULL;
+    if (get_ptr(codes, &self->codes, 0, (size_t)k * colstride, 0, &pc, "codes") < 0 ||
+        get_ptr(d, &self->qd, 0, nd * 2, 'H', &pd, "d") < 0 ||
+        (f->has_m && get_ptr(m, &self->qm, 0, nd * 2, 'H', &pm, "m") < 0) ||
+        (f->has_sc && get_ptr(sc, &self->qsc, 0, ng, 0, &psc, "sc") < 0) ||
+        (f->has_mn && get_ptr(mn, &self->qmn, 0, ng, 0, &pmn, "mn") < 0)) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    if (!self->codes.obj || !self->qd.obj || (f->has_m && !self->qm.obj) || (f->has_sc && !self->qsc.obj) ||
+        (f->has_mn && !self->qmn.obj)) {
+        PyErr_SetString(PyExc_TypeError, "QMatrix: the arrays must be buffers (numpy arrays), which it keeps alive");
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->quant = 1;
+    self->q = (qm_matrix){.codes = pc, .d = pd, .m = pm, .sc = psc, .mn = pmn, .type = qtype, .bits = f->bits,
+                          .group = f->group, .dgroup = f->dgroup, .off = f->off, .sc_signed = f->sc_signed, .n = n,
+                          .npad = npad, .k = k, .colstride = colstride};
+    self->m = (si4_matrix){.n = n, .npad = npad, .k = k, .group = f->group, .colstride = colstride};
+    return (PyObject *)self;
+}
+
+PyTypeObject si4_qmatrix_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.sparse_int4._kernels.QMatrix",
+    .tp_basicsize = sizeof(MatrixObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A GGUF-typed weight in its own bytes (see qlayout.py), bound to the int8-activation kernels.",
+    .tp_new = QMatrix_new,
     .tp_dealloc = (destructor)Matrix_dealloc,
     .tp_methods = Matrix_methods,
     .tp_getset = Matrix_getset,
@@ -519,6 +639,7 @@ static PyObject *py_set_isa(PyObject *mod, PyObject *arg) {
     g_kernel8 = si8_kernel_for(isa);
     g_dequant = si4_dequant_for(isa);
     g_prepare = si4_prepare_for(isa);
+    g_qkernel = qm_kernel_for(isa);
     pthread_mutex_unlock(&si4_call_lock);
     Py_RETURN_NONE;
 }
@@ -660,14 +781,17 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     g_kernel8 = si8_kernel_for(g_isa);
     g_dequant = si4_dequant_for(g_isa);
     g_prepare = si4_prepare_for(g_isa);
-    if (PyType_Ready(&si4_matrix_type) < 0 || PyType_Ready(&si4_stack_type) < 0 || PyType_Ready(&si8_matrix_type) < 0)
+    g_qkernel = qm_kernel_for(g_isa);
+    if (PyType_Ready(&si4_matrix_type) < 0 || PyType_Ready(&si4_qmatrix_type) < 0 || PyType_Ready(&si4_stack_type) < 0 || PyType_Ready(&si8_matrix_type) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&module_def);
     if (!mod) return NULL;
     Py_INCREF(&si4_matrix_type);
+    Py_INCREF(&si4_qmatrix_type);
     Py_INCREF(&si4_stack_type);
     Py_INCREF(&si8_matrix_type);
     if (PyModule_AddObject(mod, "Matrix", (PyObject *)&si4_matrix_type) < 0 ||
+        PyModule_AddObject(mod, "QMatrix", (PyObject *)&si4_qmatrix_type) < 0 ||
         PyModule_AddObject(mod, "Int8Matrix", (PyObject *)&si8_matrix_type) < 0 ||
         PyModule_AddObject(mod, "DecodeStack", (PyObject *)&si4_stack_type) < 0 ||
         PyModule_AddIntConstant(mod, "MAX_BATCH", SI4_MAX_BATCH) < 0 ||

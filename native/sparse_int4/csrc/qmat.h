@@ -1,0 +1,112 @@
+/* Quantized matrices in GGUF's own bytes, column-major, with int8 activations (see ../qlayout.py).
+ *
+ * A weight W (N out, K in) of a GGUF type is stored as unsigned codes q of `bits` bits with
+ * factors per (group of `group` inputs, row):
+ *
+ *     w = D * q + M,    D = d * sc (sc: 1 when absent),
+ *                       M = -dmin * mn (K-quants), m (Q4_1 / Q5_1), else -off * D
+ *
+ *   type   bits group  d per      m per     sc   mn   off      bytes / 32 weights (= file)
+ *   Q4_0   4    32     group      -         -    -    8        18
+ *   Q4_1   4    32     group      group     -    -    0        20
+ *   Q5_0   5    32     group      -         -    -    16       22
+ *   Q5_1   5    32     group      group     -    -    0        24
+ *   Q8_0   8    32     group      -         -    -    0 (q is signed int8)   34
+ *   Q4_K   4    32     256        256       u8   u8   0        18.5 (file 18: its 6-bit sc / mn take a byte each here)
+ *   Q5_K   5    32     256        256       u8   u8   0        22.5 (file 22)
+ *   Q6_K   6    16     256        -         i8   -    32       26.25
+ *
+ * Codes: column j is one run of colstride = npad * bits / 8 bytes (npad = N rounded up to
+ * 32), in chunks of 32 rows, cb = 4 * bits bytes each. A chunk is laid out so that the AVX2
+ * kernel's byte interleave of four columns yields rows in natural order (qlayout.py gives the
+ * exact row of every nibble and bit); the portable kernel reads it through the same map.
+ *
+ * Activations: x is quantized per 32 inputs, as llama.cpp's Q8_0 does (dx = max |x| / 127,
+ * qx = round(x / dx)), and the kept columns of each group are listed in slots padded to a
+ * multiple of 4 (a pad slot repeats a kept column with qx = 0), so that the kernels multiply
+ * four columns at a time:  y_n += D_ng * dx * sum_slots q_nj qx_j  +  M_ng * sum_kept x_j.
+ */
+#ifndef LLMLOCAL_QMAT_H
+#define LLMLOCAL_QMAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sparse_int4.h"
+
+enum { QM_Q4_0 = 2, QM_Q4_1 = 3, QM_Q5_0 = 6, QM_Q5_1 = 7, QM_Q8_0 = 8, QM_Q4_K = 12, QM_Q5_K = 13, QM_Q6_K = 14 };
+#define QM_QBLOCK 32 /* inputs per activation scale */
+
+typedef struct {
+    const uint8_t *codes;  /* (K, colstride) */
+    const uint16_t *d;     /* (K / dgroup, npad) fp16 */
+    const uint16_t *m;     /* (K / dgroup, npad) fp16, or NULL: Q4_1 / Q5_1 min, K-quant dmin */
+    const uint8_t *sc;     /* (K / group, npad), or NULL: K-quant sub-block scales (int8 for Q6_K) */
+    const uint8_t *mn;     /* (K / group, npad), or NULL: K-quant sub-block mins */
+    int type, bits, group, dgroup, off, sc_signed;
+    int n, npad, k;
+    size_t colstride;
+} qm_matrix;
+
+/* Thresholded, compacted, quantized activations (built by qm_prepare). */
+typedef struct {
+    int batch, n_groups;
+    int n_slots;          /* slots over all groups, each group's a multiple of 4 */
+    const int32_t *cols;  /* (n_slots,) column of each slot */
+    const int32_t *goff;  /* (n_groups + 1,) group g's slots: [goff[g], goff[g + 1]) */
+    const int8_t *qx;     /* (batch, qx_stride) quantized value of row b in slot i; 0 in pads and zeroed columns */
+    size_t qx_stride;
+    const float *dx;      /* (batch, K / 32) scale of each row's block of 32 inputs */
+    size_t dx_stride;
+    const float *xs;      /* (n_groups, batch) sum of each row's kept x in group g */
+} qm_acts;
+
+/* Rows [row0, row1) (multiples of 32) over the groups [g0, g1), every batch row, into
+ * ybuf[b * npad + n] (overwritten), as si4_kernel_fn. */
+typedef void (*qm_kernel_fn)(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
+void qm_kernel_scalar(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
+#ifdef LLMLOCAL_X86_VARIANTS
+void qm_kernel_avx2(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
+#endif
+qm_kernel_fn qm_kernel_for(int isa);
+
+/* Thresholds, compacts and quantizes x; returns the columns kept (by any row). Buffers: cols
+ * and qx rows k + 4 * n_groups slots, goff n_groups + 1, dx k / 32 per row, xs n_groups * batch,
+ * row_counts batch (or NULL). */
+int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int dense, int32_t *cols,
+               int32_t *goff, int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts,
+               int *n_slots);
+
+/* Columns [j0, j1), rows [row0, row1) (multiples of 32) of the dequantized W, transposed:
+ * out[(j - j0) * out_stride + n - row0] = W[n, j]. */
+void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
+
+/* Code of row r (0..31) of a chunk (see qlayout.py for the map), as the unsigned q (Q8_0: the
+ * signed value). */
+int qm_code(int bits, const uint8_t *chunk, int r);
+
+/* fp16 bits -> float, portable. */
+static inline float qm_f16(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023;
+    union { uint32_t u; float f; } v;
+    if (e == 0) { /* zero or subnormal: f * 2^-24 */
+        v.f = (float)f * 5.9604644775390625e-8f;
+        v.u |= sign;
+        return v.f;
+    }
+    v.u = sign | (e == 31 ? 0x7f800000u | (f << 13) : ((e + 112) << 23) | (f << 13));
+    return v.f;
+}
+
+/* The factors of row n in group g: w = D * q + M (the kernels compute them in this order). */
+static inline void qm_factors(const qm_matrix *m, int g, int n, float *D, float *M) {
+    const size_t dg = (size_t)g * m->group / m->dgroup, at = (size_t)g * m->npad + n;
+    float d = qm_f16(m->d[dg * m->npad + n]);
+    if (m->sc) d *= m->sc_signed ? (float)(int8_t)m->sc[at] : (float)m->sc[at];
+    *D = d;
+    if (m->mn) *M = -(qm_f16(m->m[dg * m->npad + n]) * (float)m->mn[at]);
+    else if (m->m) *M = qm_f16(m->m[dg * m->npad + n]);
+    else *M = (float)-m->off * d;
+}
+
+#endif

@@ -1,0 +1,162 @@
+/* Quantized matrices (qmat.h), AVX2: integer dot products of four columns at a time.
+ *
+ * For a chunk of 32 rows and four slots (columns), the codes become four vectors W[v] whose
+ * int32 element e holds row 8v + e's codes of the four columns in its four bytes; with the four
+ * quantized activations broadcast into every element, vpmaddubsw + vpmaddwd give each row's
+ * sum of four products in int32 (|q| <= 63 times |qx| <= 127: no int16 saturation; Q8_0's
+ * signed codes take the sign of x instead, as |x| * sign(q, x)). The chunk layout (qlayout.py)
+ * is chosen so that the byte interleave below yields rows in natural order. Per group, the
+ * int32 sums are scaled by D * dx and M * sum(x) is added, in float32.
+ *
+ * Compiled with -mavx2 -mfma -mf16c (setup.py); called only on CPUs that have them. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "qmat.h"
+
+#define AI static inline __attribute__((always_inline))
+#define PASS 2 /* batch rows per pass over a chunk: 8 accumulators + 4 code vectors */
+
+AI __m256i join(__m128i lo, __m128i hi) { return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1); }
+
+/* The codes of rows 0..31 of four columns' chunks at p[0..3] (see the file comment). */
+AI void load_quad(const uint8_t *const p[4], const int BITS, __m256i W[4]) {
+    if (BITS == 8) { /* bytes 0..31 of each column: 4 (r / 8) + r % 4 + 16 ((r % 8) / 4) */
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)p[0]), c1 = _mm256_loadu_si256((const __m256i *)p[1]);
+        const __m256i c2 = _mm256_loadu_si256((const __m256i *)p[2]), c3 = _mm256_loadu_si256((const __m256i *)p[3]);
+        const __m256i a = _mm256_unpacklo_epi8(c0, c1), b = _mm256_unpackhi_epi8(c0, c1);
+        const __m256i c = _mm256_unpacklo_epi8(c2, c3), d = _mm256_unpackhi_epi8(c2, c3);
+        W[0] = _mm256_unpacklo_epi16(a, c);
+        W[1] = _mm256_unpackhi_epi16(a, c);
+        W[2] = _mm256_unpacklo_epi16(b, d);
+        W[3] = _mm256_unpackhi_epi16(b, d);
+        return;
+    }
+    /* low nibbles: byte 8 (r / 16) + r % 8, nibble (r % 16) / 8 */
+    const __m128i c0 = _mm_loadu_si128((const __m128i *)p[0]), c1 = _mm_loadu_si128((const __m128i *)p[1]);
+    const __m128i c2 = _mm_loadu_si128((const __m128i *)p[2]), c3 = _mm_loadu_si128((const __m128i *)p[3]);
+    const __m128i a = _mm_unpacklo_epi8(c0, c1), b = _mm_unpackhi_epi8(c0, c1);
+    const __m128i c = _mm_unpacklo_epi8(c2, c3), d = _mm_unpackhi_epi8(c2, c3);
+    const __m256i u01 = join(_mm_unpacklo_epi16(a, c), _mm_unpackhi_epi16(a, c)); /* element e: byte e */
+    const __m256i u23 = join(_mm_unpacklo_epi16(b, d), _mm_unpackhi_epi16(b, d)); /* element e: byte 8 + e */
+    const __m256i f = _mm256_set1_epi8(15);
+    W[0] = _mm256_and_si256(u01, f);
+    W[1] = _mm256_and_si256(_mm256_srli_epi16(u01, 4), f);
+    W[2] = _mm256_and_si256(u23, f);
+    W[3] = _mm256_and_si256(_mm256_srli_epi16(u23, 4), f);
+    if (BITS == 5) { /* bytes 16..19: byte r % 4, bit 2 (r / 8) + (r % 8) / 4 */
+        int32_t h[4];
+        for (int t = 0; t < 4; t++) memcpy(&h[t], p[t] + 16, 4);
+        const __m128i ab = _mm_unpacklo_epi8(_mm_cvtsi32_si128(h[0]), _mm_cvtsi32_si128(h[1]));
+        const __m128i cd = _mm_unpacklo_epi8(_mm_cvtsi32_si128(h[2]), _mm_cvtsi32_si128(h[3]));
+        const __m256i hv = _mm256_broadcastsi128_si256(_mm_unpacklo_epi16(ab, cd)); /* element e: byte e % 4 */
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int v = 0; v < 4; v++) {
+            /* elements 0..3 take bit 2v, elements 4..7 bit 2v + 1 */
+            const __m256i bit = join(_mm_set1_epi8((char)(1 << (2 * v))), _mm_set1_epi8((char)(1 << (2 * v + 1))));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
+            W[v] = _mm256_or_si256(W[v], _mm256_and_si256(set, sixteen));
+        }
+    } else if (BITS == 6) { /* bytes 16..23: byte r % 8, bits 2 (r / 8) .. + 1 */
+        const __m128i ab = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(p[0] + 16)),
+                                             _mm_loadl_epi64((const __m128i *)(p[1] + 16)));
+        const __m128i cd = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(p[2] + 16)),
+                                             _mm_loadl_epi64((const __m128i *)(p[3] + 16)));
+        const __m256i hv = join(_mm_unpacklo_epi16(ab, cd), _mm_unpackhi_epi16(ab, cd)); /* element e: byte e */
+        const __m256i m = _mm256_set1_epi8(0x30);
+        W[0] = _mm256_or_si256(W[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), m));
+        W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), m));
+        W[2] = _mm256_or_si256(W[2], _mm256_and_si256(hv, m));
+        W[3] = _mm256_or_si256(W[3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), m));
+    }
+}
+
+/* D and M (w = D q + M) of rows n .. n + 7 in group g. */
+AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
+    const size_t dg = (size_t)g * m->group / m->dgroup, at = (size_t)g * m->npad + n;
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + dg * m->npad + n)));
+    if (m->sc) {
+        const __m128i s = _mm_loadl_epi64((const __m128i *)(m->sc + at));
+        d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(m->sc_signed ? _mm256_cvtepi8_epi32(s) : _mm256_cvtepu8_epi32(s)));
+    }
+    *D = d;
+    if (m->mn) {
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dg * m->npad + n)));
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m->mn + at))));
+        *M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
+    } else if (m->m) {
+        *M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dg * m->npad + n)));
+    } else {
+        *M = _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
+    }
+}
+
+/* One pass: batch rows b0 .. b0 + BB - 1 over the chunk at `row` of group g. */
+AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS, int prefetch,
+             float *ybuf) {
+    const size_t choff = (size_t)(row / 32) * (4 * BITS), stride = m->colstride;
+    const int s0 = a->goff[g], s1 = a->goff[g + 1];
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[PASS][4];
+    for (int b = 0; b < BB; b++)
+        for (int v = 0; v < 4; v++) acc[b][v] = _mm256_setzero_si256();
+    const int pf = prefetch ? si4_prefetch_ahead * BITS / 4 : 0;
+    for (int i = s0; i < s1; i += 4) {
+        const uint8_t *p[4];
+        for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)a->cols[i + t] * stride + choff;
+        if (pf)
+            for (int t = 0; t < 4; t++) __builtin_prefetch(p[t] + pf, 0, 3);
+        __m256i W[4];
+        load_quad(p, BITS, W);
+        for (int b = 0; b < BB; b++) {
+            int32_t q4;
+            memcpy(&q4, a->qx + (size_t)(b0 + b) * a->qx_stride + i, 4);
+            const __m256i xq = _mm256_set1_epi32(q4);
+            if (BITS == 8) {
+                const __m256i ax = _mm256_sign_epi8(xq, xq);
+                for (int v = 0; v < 4; v++)
+                    acc[b][v] = _mm256_add_epi32(
+                        acc[b][v], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(W[v], xq)), ones));
+            } else {
+                for (int v = 0; v < 4; v++)
+                    acc[b][v] = _mm256_add_epi32(acc[b][v], _mm256_madd_epi16(_mm256_maddubs_epi16(W[v], xq), ones));
+            }
+        }
+    }
+    const int qb = g * m->group / QM_QBLOCK, B = a->batch;
+    for (int v = 0; v < 4; v++) {
+        __m256 D, M;
+        factors8(m, g, row + 8 * v, &D, &M);
+        for (int b = 0; b < BB; b++) {
+            float *y = ybuf + (size_t)(b0 + b) * m->npad + row + 8 * v;
+            const __m256 dx = _mm256_set1_ps(a->dx[(size_t)(b0 + b) * a->dx_stride + qb]);
+            const __m256 t = _mm256_fmadd_ps(M, _mm256_set1_ps(a->xs[(size_t)g * B + b0 + b]), _mm256_loadu_ps(y));
+            _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_mul_ps(D, dx), _mm256_cvtepi32_ps(acc[b][v]), t));
+        }
+    }
+}
+
+AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS) {
+    const int B = a->batch, cb = 4 * BITS;
+    for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
+    for (int g = g0; g < g1; g++) {
+        if (a->goff[g] == a->goff[g + 1]) continue; /* nothing kept: nothing read */
+        for (int row = row0; row < row1; row += 32) {
+            /* prefetch once per cache line of each column's run, on the first pass */
+            const int line = (int)(((size_t)(row / 32) * cb) % 64) < cb;
+            for (int b0 = 0; b0 < B; b0 += PASS) {
+                if (B - b0 >= 2) pass(m, a, g, row, b0, 2, BITS, line && !b0, ybuf);
+                else pass(m, a, g, row, b0, 1, BITS, line && !b0, ybuf);
+            }
+        }
+    }
+}
+
+void qm_kernel_avx2(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf) {
+    switch (m->bits) {
+    case 4: kernel(m, a, row0, row1, g0, g1, ybuf, 4); break;
+    case 5: kernel(m, a, row0, row1, g0, g1, ybuf, 5); break;
+    case 6: kernel(m, a, row0, row1, g0, g1, ybuf, 6); break;
+    default: kernel(m, a, row0, row1, g0, g1, ybuf, 8); break;
+    }
+}

@@ -1,0 +1,122 @@
+/* Quantized matrices (qmat.h): the portable kernel, the activation quantizer every ISA shares,
+ * and the dequantization for prefill matmuls. */
+#include <math.h>
+#include <string.h>
+
+#include "qmat.h"
+
+/* Where row r of a 32-row chunk lives (the map qlayout.py packs with):
+ *   low nibble plane, bytes 0..15:  byte 8 (r / 16) + r % 8, nibble (r % 16) / 8
+ *   5-bit high plane, bytes 16..19: byte r % 4, bit 2 (r / 8) + (r % 8) / 4
+ *   6-bit high plane, bytes 16..23: byte r % 8, bits 2 (r / 8) .. + 1
+ *   8-bit, bytes 0..31:             byte 4 (r / 8) + r % 4 + 16 ((r % 8) / 4)  */
+int qm_code(int bits, const uint8_t *chunk, int r) {
+    if (bits == 8) return (int8_t)chunk[4 * (r / 8) + r % 4 + 16 * ((r % 8) / 4)];
+    int q = (chunk[8 * (r / 16) + r % 8] >> (4 * ((r % 16) / 8))) & 15;
+    if (bits == 5) q |= ((chunk[16 + r % 4] >> (2 * (r / 8) + (r % 8) / 4)) & 1) << 4;
+    if (bits == 6) q |= ((chunk[16 + r % 8] >> (2 * (r / 8))) & 3) << 4;
+    return q;
+}
+
+void qm_kernel_scalar(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf) {
+    const int B = a->batch, cb = 4 * m->bits;
+    for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
+    for (int g = g0; g < g1; g++) {
+        const int s0 = a->goff[g], s1 = a->goff[g + 1];
+        if (s0 == s1) continue;
+        const int qb = g * m->group / QM_QBLOCK;
+        for (int n = row0; n < row1; n++) {
+            const size_t choff = (size_t)(n / 32) * cb;
+            float D, M;
+            qm_factors(m, g, n, &D, &M);
+            for (int b = 0; b < B; b++) {
+                const int8_t *qx = a->qx + (size_t)b * a->qx_stride;
+                int32_t acc = 0;
+                for (int i = s0; i < s1; i++)
+                    acc += qm_code(m->bits, m->codes + (size_t)a->cols[i] * m->colstride + choff, n % 32) * qx[i];
+                float *y = ybuf + (size_t)b * m->npad + n;
+                const float t = fmaf(M, a->xs[(size_t)g * B + b], *y);
+                *y = fmaf(D * a->dx[(size_t)b * a->dx_stride + qb], (float)acc, t);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- activations */
+
+int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int dense, int32_t *cols,
+               int32_t *goff, int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts,
+               int *n_slots) {
+    const int n_groups = k / group, nq = k / QM_QBLOCK;
+    /* per row: the scale of each block of 32 inputs over the values it keeps */
+    for (int b = 0; b < batch; b++) {
+        const float *xb = x + (size_t)b * x_stride;
+        int32_t cnt = 0;
+        for (int q = 0; q < nq; q++) {
+            float amax = 0.0f;
+            for (int j = q * QM_QBLOCK; j < (q + 1) * QM_QBLOCK; j++) {
+                const float v = fabsf(xb[j]);
+                const int keep = dense | (v > threshold);
+                cnt += keep;
+                amax = keep && v > amax ? v : amax;
+            }
+            dx[(size_t)b * dx_stride + q] = amax / 127.0f;
+        }
+        if (row_counts) row_counts[b] = cnt;
+    }
+    int n = 0, kept = 0;
+    for (int g = 0; g < n_groups; g++) {
+        goff[g] = n;
+        for (int b = 0; b < batch; b++) xs[(size_t)g * batch + b] = 0.0f;
+        for (int j = g * group; j < (g + 1) * group; j++) {
+            int any = 0;
+            for (int b = 0; b < batch; b++) any |= dense | (fabsf(x[(size_t)b * x_stride + j]) > threshold);
+            if (!any) continue;
+            cols[n] = j;
+            for (int b = 0; b < batch; b++) {
+                const float v = x[(size_t)b * x_stride + j];
+                const int keep = dense | (fabsf(v) > threshold);
+                const float d = dx[(size_t)b * dx_stride + j / QM_QBLOCK];
+                const float id = d > 0.0f ? 1.0f / d : 0.0f;
+                qx[(size_t)b * qx_stride + n] = keep ? (int8_t)lrintf(v * id) : 0;
+                if (keep) xs[(size_t)g * batch + b] += v;
+            }
+            n++;
+        }
+        kept += n - goff[g];
+        for (; (n - goff[g]) % 4; n++) { /* pad slots: a kept column of the group, times 0 */
+            cols[n] = cols[n - 1];
+            for (int b = 0; b < batch; b++) qx[(size_t)b * qx_stride + n] = 0;
+        }
+    }
+    goff[n_groups] = n;
+    *n_slots = n;
+    return kept;
+}
+
+/* ---------------------------------------------------------------- dequantization */
+
+void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride) {
+    const int cb = 4 * m->bits;
+    float D[32], M[32];
+    for (int ja = j0; ja < j1;) { /* the columns of one group at a time: its factors once per chunk */
+        const int g = ja / m->group, jb = (g + 1) * m->group < j1 ? (g + 1) * m->group : j1;
+        for (int row = row0; row < row1; row += 32) {
+            for (int r = 0; r < 32; r++) qm_factors(m, g, row + r, &D[r], &M[r]);
+            for (int j = ja; j < jb; j++) {
+                const uint8_t *chunk = m->codes + (size_t)j * m->colstride + (size_t)(row / 32) * cb;
+                float *o = out + (size_t)(j - j0) * out_stride + (row - row0);
+                for (int r = 0; r < 32; r++) o[r] = fmaf(D[r], (float)qm_code(m->bits, chunk, r), M[r]);
+            }
+        }
+        ja = jb;
+    }
+}
+
+qm_kernel_fn qm_kernel_for(int isa) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (isa >= SI4_ISA_AVX2) return qm_kernel_avx2;
+#endif
+    (void)isa;
+    return qm_kernel_scalar;
+}
