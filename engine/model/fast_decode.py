@@ -13,19 +13,25 @@ speculative verification) goes through the torch model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
+from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.sparse_int4 import kernels
+from llmlocal.native.sparse_int4.linear import QuantLinear
+from llmlocal.native.sparse_int4.qlayout import QuantCodes
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..model_runner import ModelRunner
 from .attention import AttentionMetadata
 from .linear import Int8Linear
+from .gguf_tensors import INT4_TYPES
 from .llama import LlamaModel
-from .sparse_linear import NativeInt8Linear, SparseInt4Projection
+from .loader import QuantFactory
+from .sparse_linear import NativeInt8Linear, QuantProjection, SparseInt4Projection
 
 # the order of a layer's projections in DecodeStack, by calibration name
 _ORDER = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
@@ -42,6 +48,29 @@ def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Proj
     return SparseInt4Projection
 
 
+def native_quant(
+    device: torch.device, dtype: torch.dtype, sparse: bool = False, activations: str | None = None
+) -> QuantFactory | None:
+    """The layer for GGUF quantized projections on this device: the int8-activation kernels
+    reading each tensor in its own bytes (every type of `qlayout.FORMATS`), on the CPU in fp32;
+    None elsewhere. Dense models store columns in quads (faster); ``sparse`` keeps each column
+    its own run, so that the kernels skip the columns of zeroed inputs. With ``activations="fp32"`` (or LLMLOCAL_NATIVE_ACTIVATIONS=fp32), the
+    4-bit types keep the INT4 kernels with fp32 activations (closer to an exact reference,
+    slower: see README), and only the others take the int8 path."""
+    if native_int4(device, dtype) is None:
+        return None
+    mode = (activations or os.environ.get("LLMLOCAL_NATIVE_ACTIVATIONS", "int8")).strip().lower()
+    if mode not in ("int8", "fp32"):
+        raise LLMLocalError(f"LLMLOCAL_NATIVE_ACTIVATIONS must be int8 or fp32, not {mode!r}.")
+
+    def build(parts: list[QuantCodes], bias: torch.Tensor | None) -> QuantProjection | None:
+        if mode == "fp32" and all(p.qtype in INT4_TYPES for p in parts):
+            return None  # the INT4 factory takes them
+        return QuantProjection(parts, bias, interleaved=not sparse)
+
+    return build
+
+
 def native_head(model: LlamaModel) -> None:
     """Move an INT8 output head (a tied quantized embedding, or an INT8 `lm_head`) onto the
     native INT8 GEMV; the embedding lookup keeps reading the same rows."""
@@ -49,6 +78,11 @@ def native_head(model: LlamaModel) -> None:
         model.embed_int8 = NativeInt8Linear.of(model.embed_int8)
     if type(model.lm_head) is Int8Linear:
         model.lm_head = NativeInt8Linear.of(model.lm_head)
+
+
+def _matrices(kernel: object) -> object:
+    """What DecodeStack takes for one projection: a Matrix, or a tuple of QMatrix by rows."""
+    return kernel.matrices if isinstance(kernel, QuantLinear) else kernel._matrix  # type: ignore[attr-defined]
 
 
 class FastDecode:
@@ -60,9 +94,10 @@ class FastDecode:
         self.runner, self.model = runner, model
         layers = []
         for layer, (k_cache, v_cache) in zip(model.layers, runner.kv_caches):
-            mats = [getattr(layer, a).kernel._matrix for a in _ATTRS]
+            mats = [_matrices(getattr(layer, a).kernel) for a in _ATTRS]
+            bias = layer.qkv.bias
             layers.append((layer.attn_norm.weight.data_ptr(), *mats, layer.mlp_norm.weight.data_ptr(),
-                           k_cache.data_ptr(), v_cache.data_ptr()))
+                           k_cache.data_ptr(), v_cache.data_ptr(), None if bias is None else bias.data_ptr()))
         first = model.layers[0]
         kv_f16 = runner.kv_caches[0][0].dtype == torch.float16
         config = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ffn, float(first.attn_norm.eps),
@@ -97,8 +132,11 @@ class FastDecode:
         for layer in model.layers:
             for a in _ATTRS:
                 m = getattr(layer, a)
-                if not isinstance(m, SparseInt4Projection) or m.bias is not None:
+                if not isinstance(m, SparseInt4Projection) or (m.bias is not None and a != "qkv"):
                     return None
+            bias = layer.qkv.bias
+            if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+                return None
         return cls(runner)
 
     def set_thresholds(self, table: Mapping[str, Sequence[float]]) -> None:

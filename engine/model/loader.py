@@ -22,8 +22,11 @@ from torch import nn
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
 from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, permute_qk
+from llmlocal.native.sparse_int4.qlayout import FORMATS as QUANT_FORMATS
+from llmlocal.native.sparse_int4.qlayout import QuantCodes, decode
 
 from .config import config_from_hf, config_from_spec
+
 from .gguf_tensors import INT4_TYPES, GGUFTensors, Int4Codes
 from .linear import DenseLinear, Int4Linear, Int8Linear, Linear
 from .llama import DecoderLayer, LlamaModel, RMSNorm
@@ -39,6 +42,7 @@ class _Part:
     int4: Int4Codes | None
     dense: Callable[[], np.ndarray]  # (N, K) float32, materialized on demand
     bias: np.ndarray | None = None
+    quant: Callable[[], QuantCodes] | None = None  # a GGUF type the native kernels read in its own bytes
 
 
 def quantize_int4(w: np.ndarray, group: int = 32) -> Int4Codes:
@@ -54,16 +58,28 @@ def quantize_int4(w: np.ndarray, group: int = 32) -> Int4Codes:
 # Builds the layer for exact INT4 codes (rows of the fused parts concatenated) and a bias;
 # the default is `Int4Linear`, the sparse backend passes its own.
 Int4Factory = Callable[[Int4Codes, "torch.Tensor | None"], nn.Module]
+# Builds the layer for GGUF quantized parts in their own bytes (the native CPU path), or returns
+# None to leave them to the INT4 / dense paths.
+QuantFactory = Callable[[list[QuantCodes], "torch.Tensor | None"], "nn.Module | None"]
 
 
 def _fuse(
-    parts: list[_Part], mode: str, dtype: torch.dtype, device: torch.device, int4: Int4Factory | None = None
+    parts: list[_Part],
+    mode: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    int4: Int4Factory | None = None,
+    quant: QuantFactory | None = None,
 ) -> Linear:
     """Concatenate projections along their output rows into one linear layer."""
     bias = None
     if any(p.bias is not None for p in parts):
         bias = torch.from_numpy(np.concatenate([p.bias if p.bias is not None else np.zeros(0) for p in parts]))
         bias = bias.to(device=device, dtype=dtype)
+    if quant is not None and mode == "auto" and all(p.quant is not None for p in parts):
+        layer = quant([p.quant() for p in parts if p.quant is not None], bias)
+        if layer is not None:
+            return layer  # type: ignore[return-value]
     codes: list[Int4Codes] | None = None
     if mode in ("auto", "int4") and all(p.int4 is not None for p in parts):
         codes = [p.int4 for p in parts if p.int4 is not None]
@@ -107,10 +123,12 @@ def load_gguf(
     weights: str = "auto",
     max_position: int | None = None,
     int4: Int4Factory | None = None,
+    quant: QuantFactory | None = None,
 ) -> LlamaModel:
-    """The model of a GGUF file. ``int4`` builds the projections whose source is INT4 (all
-    parts of a fused projection must be), and the output head when its source is; the
-    others follow ``weights``."""
+    """The model of a GGUF file. ``quant`` builds the projections (and the output head) whose
+    parts are all in GGUF types the native kernels read in their own bytes; ``int4`` those
+    whose source is INT4 (all parts of a fused projection must be), and the output head when
+    its source is; the others follow ``weights``."""
     _check_mode(weights)
     cfg = config_from_spec(spec)
     t = GGUFTensors(spec)
@@ -132,7 +150,11 @@ def load_gguf(
             int4 = Int4Codes(fix(c.codes), fix(c.scale), fix(c.zero))
         bias_name = name.replace(".weight", ".bias")
         bias = fix(t.float32(bias_name)) if bias_name in t else None
-        return _Part(int4, lambda: fix(t.float32(name)), bias)
+        q = None
+        fmt = QUANT_FORMATS.get(info.ggml_type)
+        if quant is not None and fmt is not None and info.shape[0] % fmt.dgroup == 0:
+            q = lambda: _fix_rows(decode(t.raw(name), info.ggml_type), fix)  # noqa: E731
+        return _Part(int4, lambda: fix(t.float32(name)), bias, q)
 
     def vec(name: str) -> torch.Tensor:
         return torch.from_numpy(t.float32(need(name)).copy()).to(device=device, dtype=torch.float32)
@@ -142,11 +164,11 @@ def load_gguf(
         b = f"blk.{i}."
         qkv = _fuse(
             [part(b + "attn_q.weight", cfg.n_heads), part(b + "attn_k.weight", cfg.n_kv_heads), part(b + "attn_v.weight")],
-            weights, dtype, device, int4,
+            weights, dtype, device, int4, quant,
         )
-        o = _fuse([part(b + "attn_output.weight")], weights, dtype, device, int4)
-        gate_up = _fuse([part(b + "ffn_gate.weight"), part(b + "ffn_up.weight")], weights, dtype, device, int4)
-        down = _fuse([part(b + "ffn_down.weight")], weights, dtype, device, int4)
+        o = _fuse([part(b + "attn_output.weight")], weights, dtype, device, int4, quant)
+        gate_up = _fuse([part(b + "ffn_gate.weight"), part(b + "ffn_up.weight")], weights, dtype, device, int4, quant)
+        down = _fuse([part(b + "ffn_down.weight")], weights, dtype, device, int4, quant)
         layers.append(
             DecoderLayer(cfg, RMSNorm(vec(b + "attn_norm.weight"), cfg.norm_eps), qkv, o,
                          RMSNorm(vec(b + "ffn_norm.weight"), cfg.norm_eps), gate_up, down)
@@ -161,9 +183,21 @@ def load_gguf(
     if weights != "dense" and cfg.tie_embeddings and t.info("token_embd.weight").ggml_type not in FLOAT_TYPES:
         model.quantize_tied_head()  # a quantized source: INT8 rows lose next to nothing more
     head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
-    if int4 is not None and t.info(head).ggml_type in INT4_TYPES and t.info(head).shape[0] % 32 == 0:
+    native_head = None
+    if quant is not None and weights == "auto":
+        hp = part(head)
+        native_head = quant([hp.quant()], None) if hp.quant is not None else None
+    if native_head is not None:
+        model.lm_head = native_head  # the file's own bytes: reads what the file holds, no more
+    elif int4 is not None and t.info(head).ggml_type in INT4_TYPES and t.info(head).shape[0] % 32 == 0:
         model.lm_head = int4(t.int4(head), None)  # exact 4-bit codes: the head reads half of INT8's bytes
     return model
+
+
+def _fix_rows(c: QuantCodes, fix: Callable[[np.ndarray], np.ndarray]) -> QuantCodes:
+    """The same row permutation on the codes and every per-row factor array."""
+    opt = lambda a: None if a is None else np.ascontiguousarray(fix(a))  # noqa: E731
+    return QuantCodes(c.qtype, np.ascontiguousarray(fix(c.codes)), np.ascontiguousarray(fix(c.d)), opt(c.m), opt(c.sc), opt(c.mn))
 
 
 def load_hf(

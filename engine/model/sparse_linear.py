@@ -18,6 +18,8 @@ import time
 
 import torch
 from llmlocal.native.sparse_int4 import Int8RowsLinear, SparseInt4Linear
+from llmlocal.native.sparse_int4.linear import QuantLinear
+from llmlocal.native.sparse_int4.qlayout import QuantCodes
 from torch import nn
 
 from .gguf_tensors import Int4Codes
@@ -92,6 +94,20 @@ class SparseInt4Projection(_Counted):
         return self.kernel.weight_bytes()
 
 
+class QuantProjection(SparseInt4Projection):
+    """y = W x' + b, W in its GGUF types (Q4_K, Q6_K, Q5_0, Q8_0, ...) in their own bytes, through
+    the int8-activation kernels (`QuantLinear`); parts stacked by rows (fused q/k/v, gate/up).
+    `interleaved` (dense decoding) stores columns in quads: faster, but no column is skipped."""
+
+    def __init__(self, parts: list[QuantCodes], bias: torch.Tensor | None = None, interleaved: bool = False) -> None:
+        _Counted.__init__(self)
+        self.kernel = QuantLinear(parts, interleaved)  # type: ignore[assignment]
+        self.in_features, self.out_features = self.kernel.in_features, self.kernel.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.seconds = 0.0
+        self.bytes_read = 0
+
+
 class ThresholdedLinear(_Counted):
     """Any linear layer with its input thresholded in torch: the same numbers as the kernels,
     no skipped reads (for projections stored in a format the kernels do not read, such as
@@ -116,7 +132,7 @@ class ThresholdedLinear(_Counted):
         return self.inner.weight_bytes()  # type: ignore[operator]
 
 
-SparseProjection = SparseInt4Projection | ThresholdedLinear
+SparseProjection = SparseInt4Projection | QuantProjection | ThresholdedLinear
 
 
 class NativeInt8Linear(Int8Linear):

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .layout import PackedInt4, ScaleDtype, pack_int4
+from .qlayout import PackedQuant, QuantCodes, pack
 from .runtime import kernels
 
 MAX_BATCH = 8
@@ -166,6 +167,104 @@ class SparseInt4Linear:
             rows += bb * k if dense else int(self._counts[:bb].sum())
             self._last_batch = bb
         self.kept_columns, self.columns_read, self.rows_kept = kept, read, rows
+
+
+class QuantLinear:
+    """y = W x' for a weight in GGUF quantized types, in their own bytes (see qlayout.py): the
+    rows of one or more tensors stacked (a fused projection whose parts differ in type is one
+    QMatrix per run of one type). x is quantized to int8 per 32 inputs inside the kernels.
+
+    Same calling convention and counters as `SparseInt4Linear`: batches of up to 8 rows run
+    the GEMV (more in chunks of 8), torch tensors of 48 rows or more (prefill) torch's GEMM on
+    the weight dequantized in tiles, with fp32 activations."""
+
+    def __init__(self, parts: list[QuantCodes], interleaved: bool = False) -> None:
+        runs: list[list[QuantCodes]] = []
+        for p in parts:  # consecutive parts of one type share a matrix
+            if runs and runs[-1][0].qtype == p.qtype:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        self.packed: list[PackedQuant] = [pack(QuantCodes.concat(r), interleaved) for r in runs]
+        k = {p.k for p in self.packed}
+        if len(k) != 1:
+            raise ValueError(f"stacked tensors must share their input size, not {sorted(k)}")
+        self.in_features = k.pop()
+        self.out_features = sum(p.n for p in self.packed)
+        K = kernels()
+        self.matrices = tuple(K.QMatrix(p.qtype, p.codes, p.d, p.m, p.sc, p.mn, p.n, p.k, interleaved) for p in self.packed)
+        self.row0 = [sum(p.n for p in self.packed[:i]) for i in range(len(self.packed))]
+        self._counts = np.zeros(MAX_BATCH, dtype=np.int32)
+        self._counts_ptr = self._counts.ctypes.data
+        self.kept_columns = -1
+        self.rows_kept = 0
+        self.columns_read = 0
+
+    @property
+    def qtypes(self) -> list[int]:
+        return [p.qtype for p in self.packed]
+
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.packed)
+
+    def __call__(self, x: Any, threshold: float | None = None, out: Any = None) -> Any:
+        return self.forward(x, threshold, out)
+
+    def forward(self, x: Any, threshold: float | None = None, out: Any = None) -> Any:
+        """y = W x' where x' zeroes |x_j| <= threshold (None: dense). x (K,) or (B, K)."""
+        k, n = self.in_features, self.out_features
+        numpy_in = isinstance(x, np.ndarray)
+        if not numpy_in:
+            f32 = _torch_float32()
+            if x.dtype is not f32 or not x.is_cpu or not x.is_contiguous():
+                raise ValueError(f"x must be a contiguous float32 CPU tensor, got {x.dtype} on {x.device}")
+        if x.ndim not in (1, 2) or x.shape[-1] != k:
+            raise ValueError(f"x must be ({k},) or (B, {k}), got {tuple(x.shape)}")
+        batch = 1 if x.ndim == 1 else x.shape[0]
+        if out is None:
+            out = np.empty(x.shape[:-1] + (n,), dtype=np.float32) if numpy_in else x.new_empty(x.shape[:-1] + (n,))
+        elif tuple(out.shape) != tuple(x.shape[:-1]) + (n,):
+            raise ValueError(f"out must have shape {tuple(x.shape[:-1]) + (n,)}, not {tuple(out.shape)}")
+        dense = threshold is None
+        t = 0.0 if dense else threshold
+        if batch >= MATMUL_MIN_ROWS and not numpy_in:
+            self._matmul(x, out, t, dense)
+            return out
+        px = x.ctypes.data if numpy_in else x.data_ptr()
+        py = out.ctypes.data if numpy_in else out.data_ptr()
+        kept = read = rows = 0
+        for b0 in range(0, batch, MAX_BATCH):
+            bb = min(MAX_BATCH, batch - b0)
+            for m, r0 in zip(self.matrices, self.row0):
+                chunk = m.gemv(px + 4 * b0 * k, py + 4 * (b0 * n + r0), bb, k, n, t, dense, self._counts_ptr)
+            kept, read = max(kept, chunk), read + chunk
+            rows += bb * k if dense else int(self._counts[:bb].sum())
+        self.kept_columns, self.columns_read, self.rows_kept = kept, read, rows
+        return out
+
+    def _matmul(self, x: Any, out: Any, t: float, dense: bool) -> None:
+        """out = x' W^T by torch's GEMM on the weight dequantized a tile of rows at a time."""
+        import torch
+
+        k = self.in_features
+        if not dense:
+            keep = x.abs() > t
+            self.rows_kept = int(keep.sum())
+            x = x * keep
+        else:
+            self.rows_kept = x.shape[0] * k
+        buf = getattr(_scratch, "buf", None)
+        for m, r0, p in zip(self.matrices, self.row0, self.packed):
+            tile = max(32, min(p.npad, MATMUL_TILE_BYTES // (4 * k) // 32 * 32))
+            if buf is None or buf.numel() < k * tile:
+                buf = _scratch.buf = torch.empty(k * tile, dtype=torch.float32)
+            for a in range(0, p.n, tile):
+                b = min(p.npad, a + tile)
+                w = buf[: k * (b - a)].view(k, b - a)
+                m.dequantize(w.data_ptr(), a, b, b - a)
+                c = min(p.n, b)
+                out[:, r0 + a : r0 + c] = x @ w[:, : c - a]
+        self.kept_columns = self.columns_read = k
 
 
 class Int8RowsLinear:

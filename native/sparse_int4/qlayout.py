@@ -24,12 +24,19 @@ GGUF block layouts decoded here (little-endian, fp16 d / m / dmin; value index i
                        w = d sc (q - 32)
 
 Chunk layout (one column, 32 rows r, cb = 4 * bits bytes; chosen so that the AVX2 kernel's
-interleave of four columns gives rows in natural order):
+interleave of four columns gives rows in natural order). Each column is its own run of bytes,
+so the sparse kernels skip the runs of zeroed inputs:
 
     low nibbles  bytes 0..15   row r at byte 8 (r // 16) + r % 8, high nibble when (r % 16) >= 8
     5-bit plane  bytes 16..19  bit 4 of row r at byte r % 4, bit 2 (r // 8) + (r % 8) // 4
     6-bit plane  bytes 16..23  bits 4..5 of row r at byte r % 8, bits 2 (r // 8) .. + 1
     8-bit        bytes 0..31   row r at byte 4 (r // 8) + r % 4 + 16 ((r % 8) // 4)
+
+Interleaved (dense decoding): columns 4i .. 4i + 3 share one run (where column 4i's would be),
+in chunks of 4 cb bytes already in the order that interleave produces: byte c of column t's
+chunk at 4 c + t (8-bit: row r's four codes at 4 r .. 4 r + 3). The kernel then loads instead
+of shuffling (measured 1.5-2x fewer instructions per weight); a column can no longer be skipped
+alone, so thresholds only zero values there.
 """
 
 from __future__ import annotations
@@ -210,6 +217,7 @@ class PackedQuant:
     m: np.ndarray | None
     sc: np.ndarray | None
     mn: np.ndarray | None
+    interleaved: bool = False
 
     @property
     def format(self) -> QFormat:
@@ -242,8 +250,9 @@ def _chunks(q: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate(planes, axis=-1)
 
 
-def pack(c: QuantCodes) -> PackedQuant:
-    """Repack decoded codes into the kernels' column-major arrays."""
+def pack(c: QuantCodes, interleaved: bool = False) -> PackedQuant:
+    """Repack decoded codes into the kernels' column-major arrays; `interleaved` stores the
+    columns in quads (dense use only, see the module docstring)."""
     f = FORMATS[c.qtype]
     n, k = c.shape
     if k % f.dgroup:
@@ -254,7 +263,16 @@ def pack(c: QuantCodes) -> PackedQuant:
         j1 = min(k, j0 + 256)
         q = np.zeros((j1 - j0, npad), dtype=np.uint8)
         q[:, :n] = c.codes[:, j0:j1].T
-        codes[j0:j1] = _chunks(q.reshape(j1 - j0, npad // 32, 32), f.bits).reshape(j1 - j0, -1)
+        q = q.reshape(j1 - j0, npad // 32, 32)
+        if not interleaved:
+            codes[j0:j1] = _chunks(q, f.bits).reshape(j1 - j0, -1)
+            continue
+        nq = (j1 - j0) // 4
+        if f.bits == 8:  # rows in natural order, each row's four codes together
+            quads = q.reshape(nq, 4, npad // 32, 32).transpose(0, 2, 3, 1)
+        else:  # byte c of column t's chunk at 4 c + t
+            quads = _chunks(q, f.bits).reshape(nq, 4, npad // 32, -1).transpose(0, 2, 3, 1)
+        codes[j0:j1] = np.ascontiguousarray(quads).reshape(j1 - j0, -1)
 
     def cols(a: np.ndarray | None, dtype: type) -> np.ndarray | None:
         if a is None:
@@ -265,7 +283,7 @@ def pack(c: QuantCodes) -> PackedQuant:
         return out
 
     return PackedQuant(c.qtype, n, k, codes, cols(c.d, np.uint16), cols(c.m, np.uint16),  # type: ignore[arg-type]
-                       cols(c.sc, np.uint8), cols(c.mn, np.uint8))
+                       cols(c.sc, np.uint8), cols(c.mn, np.uint8), interleaved)
 
 
 def quantize_activations(x: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@
  *
  * The same arithmetic as engine/model/llama.py, in float32 (an fp16 cache rounds k and v to
  * nearest even, as torch's conversion does), with the projections through
- * si4_gemv_locked. Weights are Matrix objects (held); norms and caches are addresses of tensors
+ * si4_gemv_locked. Weights are Matrix or QMatrix objects, or tuples of them whose outputs stack (held); norms and caches are addresses of tensors
  * the caller keeps alive and in place. */
 
 #include "binding.h" /* Python.h first */
@@ -24,13 +24,21 @@
 #include <string.h>
 
 enum { P_QKV, P_O, P_GU, P_DOWN, N_PROJ };
+#define MAX_SEGMENTS 4 /* matrices per projection, their outputs stacked (e.g. q, k of one type, v of another) */
+
+typedef struct {
+    int n_seg;
+    MatrixObject *seg[MAX_SEGMENTS]; /* referenced */
+    int row0[MAX_SEGMENTS];          /* first output row of each */
+} proj_t;
 
 typedef struct {
     PyObject_HEAD int n_layers, d, n_heads, n_kv, head_dim, d_ffn;
     float eps, scale;
-    MatrixObject **proj;           /* n_layers * N_PROJ, referenced */
+    proj_t *proj;                  /* n_layers * N_PROJ */
     const float **attn_norm, **ffn_norm;
     void **k_cache, **v_cache; /* float, or fp16 values when kv_f16 */
+    const float **qkv_bias;    /* per layer, or NULL: added to q, k, v before RoPE (Qwen2) */
     int kv_f16;
     float *x, *qkv, *att, *gu, *act, *out, *scores;
     float *part_o, *part_m, *part_l; /* chunked attention's partial results, per unit */
@@ -39,11 +47,13 @@ typedef struct {
 
 static void Stack_dealloc(StackObject *self) {
     if (self->proj)
-        for (int i = 0; i < self->n_layers * N_PROJ; i++) Py_XDECREF(self->proj[i]);
+        for (int i = 0; i < self->n_layers * N_PROJ; i++)
+            for (int j = 0; j < self->proj[i].n_seg; j++) Py_XDECREF(self->proj[i].seg[j]);
     free(self->proj);
     free(self->attn_norm);
     free(self->ffn_norm);
     free(self->k_cache);
+    free(self->qkv_bias);
     free(self->v_cache);
     free(self->x);
     free(self->qkv);
@@ -61,7 +71,8 @@ static void Stack_dealloc(StackObject *self) {
 static void *addr(PyObject *o) { return PyLong_AsVoidPtr(o); }
 
 /* DecodeStack((d, n_heads, n_kv, head_dim, d_ffn, eps, scale, kv_f16),
- *             [(attn_norm, qkv, o, gate_up, down, ffn_norm, k_cache, v_cache), ...]) */
+ *             [(attn_norm, qkv, o, gate_up, down, ffn_norm, k_cache, v_cache[, qkv_bias]), ...])
+ * (a projection: a Matrix / QMatrix or a tuple of them; qkv_bias: an address or None) */
 static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     (void)kwds;
     int d, nh, nkv, hd, ffn, kv_f16;
@@ -78,11 +89,12 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (!self) return NULL;
     self->n_layers = (int)L, self->d = d, self->n_heads = nh, self->n_kv = nkv, self->head_dim = hd, self->d_ffn = ffn;
     self->eps = (float)eps, self->scale = (float)scale;
-    self->proj = calloc((size_t)L * N_PROJ, sizeof(MatrixObject *));
+    self->proj = calloc((size_t)L * N_PROJ, sizeof(proj_t));
     self->attn_norm = calloc((size_t)L, sizeof(float *));
     self->ffn_norm = calloc((size_t)L, sizeof(float *));
     self->kv_f16 = kv_f16;
     self->k_cache = calloc((size_t)L, sizeof(void *));
+    self->qkv_bias = calloc((size_t)L, sizeof(float *));
     self->v_cache = calloc((size_t)L, sizeof(void *));
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd;
     const size_t B = SI4_MAX_BATCH; /* scratch rows */
@@ -101,29 +113,53 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     const int want[N_PROJ][2] = {{(int)nqkv, d}, {d, nh * hd}, {2 * ffn, d}, {d, ffn}};
     for (Py_ssize_t i = 0; i < L; i++) {
         PyObject *t = PyList_GET_ITEM(layers, i);
-        PyObject *an, *fn, *kc, *vc, *m[N_PROJ];
-        if (!PyArg_ParseTuple(t, "OOOOOOOO", &an, &m[P_QKV], &m[P_O], &m[P_GU], &m[P_DOWN], &fn, &kc, &vc)) {
+        PyObject *an, *fn, *kc, *vc, *m[N_PROJ], *qb = NULL;
+        if (!PyArg_ParseTuple(t, "OOOOOOOO|O", &an, &m[P_QKV], &m[P_O], &m[P_GU], &m[P_DOWN], &fn, &kc, &vc, &qb)) {
             Py_DECREF(self);
             return NULL;
         }
         for (int p = 0; p < N_PROJ; p++) {
-            if (!PyObject_TypeCheck(m[p], &si4_matrix_type) && !PyObject_TypeCheck(m[p], &si4_qmatrix_type)) {
-                PyErr_Format(PyExc_TypeError, "DecodeStack: layer %zd projection %d is not a Matrix or QMatrix", i, p);
+            /* a Matrix / QMatrix, or a tuple of them whose outputs stack */
+            PyObject *segs = PyTuple_Check(m[p]) ? m[p] : NULL;
+            const Py_ssize_t ns = segs ? PyTuple_GET_SIZE(segs) : 1;
+            proj_t *pr = &self->proj[i * N_PROJ + p];
+            if (ns < 1 || ns > MAX_SEGMENTS) {
+                PyErr_Format(PyExc_ValueError, "DecodeStack: layer %zd projection %d has %zd matrices (1..%d)", i, p, ns,
+                             MAX_SEGMENTS);
                 Py_DECREF(self);
                 return NULL;
             }
-            const si4_matrix *mm = &((MatrixObject *)m[p])->m;
-            if (mm->n != want[p][0] || mm->k != want[p][1]) {
-                PyErr_Format(PyExc_ValueError, "DecodeStack: layer %zd projection %d is %d x %d, not %d x %d", i, p,
-                             mm->n, mm->k, want[p][0], want[p][1]);
+            int rows = 0;
+            for (Py_ssize_t j = 0; j < ns; j++) {
+                PyObject *o = segs ? PyTuple_GET_ITEM(segs, j) : m[p];
+                if (!PyObject_TypeCheck(o, &si4_matrix_type) && !PyObject_TypeCheck(o, &si4_qmatrix_type)) {
+                    PyErr_Format(PyExc_TypeError, "DecodeStack: layer %zd projection %d is not a Matrix or QMatrix", i, p);
+                    Py_DECREF(self);
+                    return NULL;
+                }
+                const si4_matrix *mm = &((MatrixObject *)o)->m;
+                if (mm->k != want[p][1]) {
+                    PyErr_Format(PyExc_ValueError, "DecodeStack: layer %zd projection %d takes %d inputs, not %d", i, p,
+                                 mm->k, want[p][1]);
+                    Py_DECREF(self);
+                    return NULL;
+                }
+                Py_INCREF(o);
+                pr->seg[j] = (MatrixObject *)o;
+                pr->row0[j] = rows;
+                pr->n_seg = (int)j + 1;
+                rows += mm->n;
+            }
+            if (rows != want[p][0]) {
+                PyErr_Format(PyExc_ValueError, "DecodeStack: layer %zd projection %d has %d outputs, not %d", i, p, rows,
+                             want[p][0]);
                 Py_DECREF(self);
                 return NULL;
             }
-            Py_INCREF(m[p]);
-            self->proj[i * N_PROJ + p] = (MatrixObject *)m[p];
         }
         self->attn_norm[i] = addr(an), self->ffn_norm[i] = addr(fn);
         self->k_cache[i] = addr(kc), self->v_cache[i] = addr(vc);
+        self->qkv_bias[i] = qb && qb != Py_None ? addr(qb) : NULL;
         if (PyErr_Occurred() || !self->attn_norm[i] || !self->ffn_norm[i] || !self->k_cache[i] || !self->v_cache[i]) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "DecodeStack: a null address");
             Py_DECREF(self);
@@ -256,22 +292,26 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
     const si4_attend_fn attend = si4_attend_for(si4_current_isa());
     const si4_f16_store_fn store_f16 = si4_f16_store_for(si4_current_isa());
     for (int l = 0; l < s->n_layers; l++) {
-        MatrixObject **m = s->proj + (size_t)l * N_PROJ;
+        const proj_t *m = s->proj + (size_t)l * N_PROJ;
         const float *t = thresholds + (size_t)l * N_PROJ;
         int64_t *kl = kept + (size_t)l * N_PROJ;
         void *kc = s->k_cache[l], *vc = s->v_cache[l];
         /* kept[P] gains every row's own count of inputs read (the columns skipped per row) */
-#define GEMV(P, X, Y)                                                                                         \
+#define GEMV(P, X, Y, NOUT)                                                                                   \
     do {                                                                                                      \
         const int dense = !(t[P] > 0);                                                                        \
-        if (si4_gemv_locked(m[P], (X), (size_t)m[P]->m.k, batch, (Y), (size_t)m[P]->m.n,                   \
-                            dense ? 0.0f : t[P], dense, counts) < 0)                                          \
-            return -1;                                                                                        \
-        for (int b = 0; b < batch; b++) kl[P] += dense ? m[P]->m.k : counts[b];                              \
+        for (int sg = 0; sg < m[P].n_seg; sg++)                                                               \
+            if (si4_gemv_locked(m[P].seg[sg], (X), (size_t)m[P].seg[sg]->m.k, batch, (Y) + m[P].row0[sg],     \
+                                (size_t)(NOUT), dense ? 0.0f : t[P], dense, counts) < 0)                      \
+                return -1;                                                                                    \
+        for (int b = 0; b < batch; b++) kl[P] += dense ? m[P].seg[0]->m.k : counts[b];                       \
     } while (0)
 
         for (int b = 0; b < batch; b++) rms_norm(h + (size_t)b * d, s->attn_norm[l], s->x + (size_t)b * d, d, s->eps);
-        GEMV(P_QKV, s->x, s->qkv);
+        GEMV(P_QKV, s->x, s->qkv, nqkv);
+        if (s->qkv_bias[l])
+            for (int b = 0; b < batch; b++)
+                for (size_t i = 0; i < nqkv; i++) s->qkv[(size_t)b * nqkv + i] += s->qkv_bias[l][i];
         for (int b = 0; b < batch; b++) {
             float *qkv = s->qkv + (size_t)b * nqkv;
             const float *rot = cis + (size_t)b * hd;
@@ -302,16 +342,16 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
         const int parts = si4_pool_size() < n_units ? si4_pool_size() : n_units;
         si4_pool_run(attend_part, &job, parts);
         attn_merge(&job);
-        GEMV(P_O, s->att, s->out);
+        GEMV(P_O, s->att, s->out, d);
         for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
         for (int b = 0; b < batch; b++) rms_norm(h + (size_t)b * d, s->ffn_norm[l], s->x + (size_t)b * d, d, s->eps);
-        GEMV(P_GU, s->x, s->gu);
+        GEMV(P_GU, s->x, s->gu, 2 * ffn);
         for (int b = 0; b < batch; b++) {
             const float *gu = s->gu + (size_t)b * 2 * ffn;
             float *act = s->act + (size_t)b * ffn;
             for (int i = 0; i < ffn; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[ffn + i];
         }
-        GEMV(P_DOWN, s->act, s->out);
+        GEMV(P_DOWN, s->act, s->out, d);
         for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
 #undef GEMV
     }

@@ -182,7 +182,7 @@ static int qm_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stri
         grow((void **)&S.ybuf, &S.ybuf_n, (size_t)q->npad * batch * si4_pool_size(), 4))
         return -1;
     int n_slots;
-    const int n_kept = qm_prepare(px, x_stride, batch, q->k, q->group, threshold, dense, S.cols, S.goff, S.qx, slots,
+    const int n_kept = qm_prepare(px, x_stride, batch, q->k, q->group, threshold, dense, q->interleaved, S.cols, S.goff, S.qx, slots,
                                   S.dx, nq, S.xs, pcnt, &n_slots);
     qm_acts a = {.batch = batch, .n_groups = G, .n_slots = n_slots, .cols = S.cols, .goff = S.goff, .qx = S.qx,
                  .qx_stride = slots, .dx = S.dx, .dx_stride = nq, .xs = S.xs};
@@ -441,13 +441,13 @@ static const qm_format QM_FORMATS[] = {
     {QM_Q5_K, 5, 32, 256, 0, 1, 1, 0, 1, "Q5_K"},   {QM_Q6_K, 6, 16, 256, 32, 0, 1, 1, 0, "Q6_K"},
 };
 
-/* QMatrix(type, codes, d, m, sc, mn, n, k): the arrays of qlayout.py (kept alive, no copy);
- * m, sc, mn None where the type has none. */
+/* QMatrix(type, codes, d, m, sc, mn, n, k, interleaved=False): the arrays of qlayout.py (kept
+ * alive, no copy); m, sc, mn None where the type has none. */
 static PyObject *QMatrix_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"type", "codes", "d", "m", "sc", "mn", "n", "k", NULL};
+    static char *kwlist[] = {"type", "codes", "d", "m", "sc", "mn", "n", "k", "interleaved", NULL};
     PyObject *codes, *d, *m, *sc, *mn;
-    int qtype, n, k;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOOOii", kwlist, &qtype, &codes, &d, &m, &sc, &mn, &n, &k))
+    int qtype, n, k, il = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOOOii|p", kwlist, &qtype, &codes, &d, &m, &sc, &mn, &n, &k, &il))
         return NULL;
     const qm_format *f = NULL;
     for (size_t i = 0; i < sizeof QM_FORMATS / sizeof QM_FORMATS[0]; i++)
@@ -480,7 +480,8 @@ static PyObject *QMatrix_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     self->quant = 1;
     self->q = (qm_matrix){.codes = pc, .d = pd, .m = pm, .sc = psc, .mn = pmn, .type = qtype, .bits = f->bits,
-                          .group = f->group, .dgroup = f->dgroup, .off = f->off, .sc_signed = f->sc_signed, .n = n,
+                          .group = f->group, .dgroup = f->dgroup, .off = f->off, .sc_signed = f->sc_signed,
+                          .interleaved = il, .n = n,
                           .npad = npad, .k = k, .colstride = colstride};
     self->m = (si4_matrix){.n = n, .npad = npad, .k = k, .group = f->group, .colstride = colstride};
     return (PyObject *)self;

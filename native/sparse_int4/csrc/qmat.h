@@ -44,6 +44,7 @@ typedef struct {
     const uint8_t *sc;     /* (K / group, npad), or NULL: K-quant sub-block scales (int8 for Q6_K) */
     const uint8_t *mn;     /* (K / group, npad), or NULL: K-quant sub-block mins */
     int type, bits, group, dgroup, off, sc_signed;
+    int interleaved; /* codes in quads of columns (dense only; see qlayout.py) */
     int n, npad, k;
     size_t colstride;
 } qm_matrix;
@@ -72,8 +73,10 @@ qm_kernel_fn qm_kernel_for(int isa);
 
 /* Thresholds, compacts and quantizes x; returns the columns kept (by any row). Buffers: cols
  * and qx rows k + 4 * n_groups slots, goff n_groups + 1, dx k / 32 per row, xs n_groups * batch,
- * row_counts batch (or NULL). */
-int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int dense, int32_t *cols,
+ * row_counts batch (or NULL). `all_columns`: every column gets its slot (an interleaved matrix),
+ * thresholded values are only zeroed. */
+int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int dense,
+               int all_columns, int32_t *cols,
                int32_t *goff, int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts,
                int *n_slots);
 
@@ -81,9 +84,9 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
  * out[(j - j0) * out_stride + n - row0] = W[n, j]. */
 void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 
-/* Code of row r (0..31) of a chunk (see qlayout.py for the map), as the unsigned q (Q8_0: the
- * signed value). */
-int qm_code(int bits, const uint8_t *chunk, int r);
+/* Code of row n, column j (see qlayout.py for the map), as the unsigned q (Q8_0: the signed
+ * value). */
+int qm_code(const qm_matrix *m, int j, int n);
 
 /* fp16 bits -> float, portable. */
 static inline float qm_f16(uint16_t h) {

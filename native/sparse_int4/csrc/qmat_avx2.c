@@ -71,6 +71,37 @@ AI void load_quad(const uint8_t *const p[4], const int BITS, __m256i W[4]) {
     }
 }
 
+/* The same four vectors from a quad-interleaved chunk at p (qlayout.py, interleaved=True):
+ * the bytes already in the order the column layout's interleave produces. */
+AI void load_quad_il(const uint8_t *p, const int BITS, __m256i W[4]) {
+    if (BITS == 8) {
+        for (int v = 0; v < 4; v++) W[v] = _mm256_loadu_si256((const __m256i *)(p + 32 * v));
+        return;
+    }
+    const __m256i u01 = _mm256_loadu_si256((const __m256i *)p), u23 = _mm256_loadu_si256((const __m256i *)(p + 32));
+    const __m256i f = _mm256_set1_epi8(15);
+    W[0] = _mm256_and_si256(u01, f);
+    W[1] = _mm256_and_si256(_mm256_srli_epi16(u01, 4), f);
+    W[2] = _mm256_and_si256(u23, f);
+    W[3] = _mm256_and_si256(_mm256_srli_epi16(u23, 4), f);
+    if (BITS == 5) {
+        const __m256i hv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 64)));
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int v = 0; v < 4; v++) {
+            const __m256i bit = join(_mm_set1_epi8((char)(1 << (2 * v))), _mm_set1_epi8((char)(1 << (2 * v + 1))));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
+            W[v] = _mm256_or_si256(W[v], _mm256_and_si256(set, sixteen));
+        }
+    } else if (BITS == 6) {
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 64));
+        const __m256i m = _mm256_set1_epi8(0x30);
+        W[0] = _mm256_or_si256(W[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), m));
+        W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), m));
+        W[2] = _mm256_or_si256(W[2], _mm256_and_si256(hv, m));
+        W[3] = _mm256_or_si256(W[3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), m));
+    }
+}
+
 /* D and M (w = D q + M) of rows n .. n + 7 in group g. */
 AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
     const size_t dg = (size_t)g * m->group / m->dgroup, at = (size_t)g * m->npad + n;
@@ -91,37 +122,54 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
     }
 }
 
+/* Quads whose vpmaddubsw sums int16 lanes can add before they overflow: a lane holds two
+ * products q x, |q| <= 2^bits - 1 (Q8_0 through the sign trick: 128), |x| <= 127. */
+#define QUADS_PER_I16(BITS) ((BITS) == 4 ? 8 : (BITS) == 5 ? 4 : (BITS) == 6 ? 2 : 1)
+
 /* One pass: batch rows b0 .. b0 + BB - 1 over the chunk at `row` of group g. */
-AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS, int prefetch,
-             float *ybuf) {
+AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS, const int IL,
+             int prefetch, float *ybuf) {
     const size_t choff = (size_t)(row / 32) * (4 * BITS), stride = m->colstride;
     const int s0 = a->goff[g], s1 = a->goff[g + 1];
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc[PASS][4];
     for (int b = 0; b < BB; b++)
         for (int v = 0; v < 4; v++) acc[b][v] = _mm256_setzero_si256();
-    const int pf = prefetch ? si4_prefetch_ahead * BITS / 4 : 0;
-    for (int i = s0; i < s1; i += 4) {
-        const uint8_t *p[4];
-        for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)a->cols[i + t] * stride + choff;
-        if (pf)
-            for (int t = 0; t < 4; t++) __builtin_prefetch(p[t] + pf, 0, 3);
-        __m256i W[4];
-        load_quad(p, BITS, W);
-        for (int b = 0; b < BB; b++) {
-            int32_t q4;
-            memcpy(&q4, a->qx + (size_t)(b0 + b) * a->qx_stride + i, 4);
-            const __m256i xq = _mm256_set1_epi32(q4);
-            if (BITS == 8) {
-                const __m256i ax = _mm256_sign_epi8(xq, xq);
-                for (int v = 0; v < 4; v++)
-                    acc[b][v] = _mm256_add_epi32(
-                        acc[b][v], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(W[v], xq)), ones));
+    const int pf = prefetch ? si4_prefetch_ahead * BITS / 4 * (IL ? 4 : 1) : 0;
+    for (int i0 = s0; i0 < s1; i0 += 4 * QUADS_PER_I16(BITS)) {
+        const int i1 = i0 + 4 * QUADS_PER_I16(BITS) < s1 ? i0 + 4 * QUADS_PER_I16(BITS) : s1;
+        __m256i acc16[PASS][4];
+        for (int b = 0; b < BB; b++)
+            for (int v = 0; v < 4; v++) acc16[b][v] = _mm256_setzero_si256();
+        for (int i = i0; i < i1; i += 4) {
+            __m256i W[4];
+            if (IL) { /* the quad's run starts where its first column's would */
+                const uint8_t *p = m->codes + (size_t)a->cols[i] * stride + 4 * choff;
+                if (pf) __builtin_prefetch(p + pf, 0, 3);
+                load_quad_il(p, BITS, W);
             } else {
-                for (int v = 0; v < 4; v++)
-                    acc[b][v] = _mm256_add_epi32(acc[b][v], _mm256_madd_epi16(_mm256_maddubs_epi16(W[v], xq), ones));
+                const uint8_t *p[4];
+                for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)a->cols[i + t] * stride + choff;
+                if (pf)
+                    for (int t = 0; t < 4; t++) __builtin_prefetch(p[t] + pf, 0, 3);
+                load_quad(p, BITS, W);
+            }
+            for (int b = 0; b < BB; b++) {
+                int32_t q4;
+                memcpy(&q4, a->qx + (size_t)(b0 + b) * a->qx_stride + i, 4);
+                const __m256i xq = _mm256_set1_epi32(q4);
+                if (BITS == 8) {
+                    const __m256i ax = _mm256_sign_epi8(xq, xq);
+                    for (int v = 0; v < 4; v++)
+                        acc16[b][v] = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(W[v], xq));
+                } else {
+                    for (int v = 0; v < 4; v++)
+                        acc16[b][v] = _mm256_add_epi16(acc16[b][v], _mm256_maddubs_epi16(W[v], xq));
+                }
             }
         }
+        for (int b = 0; b < BB; b++)
+            for (int v = 0; v < 4; v++) acc[b][v] = _mm256_add_epi32(acc[b][v], _mm256_madd_epi16(acc16[b][v], ones));
     }
     const int qb = g * m->group / QM_QBLOCK, B = a->batch;
     for (int v = 0; v < 4; v++) {
@@ -136,27 +184,32 @@ AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const
     }
 }
 
-AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS) {
+AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
+              const int IL) {
     const int B = a->batch, cb = 4 * BITS;
     for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
     for (int g = g0; g < g1; g++) {
         if (a->goff[g] == a->goff[g + 1]) continue; /* nothing kept: nothing read */
         for (int row = row0; row < row1; row += 32) {
             /* prefetch once per cache line of each column's run, on the first pass */
-            const int line = (int)(((size_t)(row / 32) * cb) % 64) < cb;
+            const int line = IL || (int)(((size_t)(row / 32) * cb) % 64) < cb;
             for (int b0 = 0; b0 < B; b0 += PASS) {
-                if (B - b0 >= 2) pass(m, a, g, row, b0, 2, BITS, line && !b0, ybuf);
-                else pass(m, a, g, row, b0, 1, BITS, line && !b0, ybuf);
+                if (B - b0 >= 2) pass(m, a, g, row, b0, 2, BITS, IL, line && !b0, ybuf);
+                else pass(m, a, g, row, b0, 1, BITS, IL, line && !b0, ybuf);
             }
         }
     }
 }
 
 void qm_kernel_avx2(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf) {
-    switch (m->bits) {
-    case 4: kernel(m, a, row0, row1, g0, g1, ybuf, 4); break;
-    case 5: kernel(m, a, row0, row1, g0, g1, ybuf, 5); break;
-    case 6: kernel(m, a, row0, row1, g0, g1, ybuf, 6); break;
-    default: kernel(m, a, row0, row1, g0, g1, ybuf, 8); break;
+    switch (m->bits * 2 + !!m->interleaved) {
+    case 8: kernel(m, a, row0, row1, g0, g1, ybuf, 4, 0); break;
+    case 9: kernel(m, a, row0, row1, g0, g1, ybuf, 4, 1); break;
+    case 10: kernel(m, a, row0, row1, g0, g1, ybuf, 5, 0); break;
+    case 11: kernel(m, a, row0, row1, g0, g1, ybuf, 5, 1); break;
+    case 12: kernel(m, a, row0, row1, g0, g1, ybuf, 6, 0); break;
+    case 13: kernel(m, a, row0, row1, g0, g1, ybuf, 6, 1); break;
+    case 16: kernel(m, a, row0, row1, g0, g1, ybuf, 8, 0); break;
+    default: kernel(m, a, row0, row1, g0, g1, ybuf, 8, 1); break;
     }
 }

@@ -10,30 +10,33 @@
  *   5-bit high plane, bytes 16..19: byte r % 4, bit 2 (r / 8) + (r % 8) / 4
  *   6-bit high plane, bytes 16..23: byte r % 8, bits 2 (r / 8) .. + 1
  *   8-bit, bytes 0..31:             byte 4 (r / 8) + r % 4 + 16 ((r % 8) / 4)  */
-int qm_code(int bits, const uint8_t *chunk, int r) {
-    if (bits == 8) return (int8_t)chunk[4 * (r / 8) + r % 4 + 16 * ((r % 8) / 4)];
-    int q = (chunk[8 * (r / 16) + r % 8] >> (4 * ((r % 16) / 8))) & 15;
-    if (bits == 5) q |= ((chunk[16 + r % 4] >> (2 * (r / 8) + (r % 8) / 4)) & 1) << 4;
-    if (bits == 6) q |= ((chunk[16 + r % 8] >> (2 * (r / 8))) & 3) << 4;
+int qm_code(const qm_matrix *m, int j, int n) {
+    const int bits = m->bits, cb = 4 * bits, r = n % 32;
+    /* il: the chunk of column j's quad; byte c of column t's chunk is at 4 c + t there */
+    const int il = m->interleaved, t = il ? j % 4 : 0, mul = il ? 4 : 1;
+    const uint8_t *chunk = m->codes + (size_t)(j - t) * m->colstride + (size_t)(n / 32) * cb * mul;
+    if (bits == 8) return (int8_t)chunk[il ? 4 * r + t : 4 * (r / 8) + r % 4 + 16 * ((r % 8) / 4)];
+    int q = (chunk[mul * (8 * (r / 16) + r % 8) + t] >> (4 * ((r % 16) / 8))) & 15;
+    if (bits == 5) q |= ((chunk[16 * mul + mul * (r % 4) + t] >> (2 * (r / 8) + (r % 8) / 4)) & 1) << 4;
+    if (bits == 6) q |= ((chunk[16 * mul + mul * (r % 8) + t] >> (2 * (r / 8))) & 3) << 4;
     return q;
 }
 
 void qm_kernel_scalar(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf) {
-    const int B = a->batch, cb = 4 * m->bits;
+    const int B = a->batch;
     for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
     for (int g = g0; g < g1; g++) {
         const int s0 = a->goff[g], s1 = a->goff[g + 1];
         if (s0 == s1) continue;
         const int qb = g * m->group / QM_QBLOCK;
         for (int n = row0; n < row1; n++) {
-            const size_t choff = (size_t)(n / 32) * cb;
             float D, M;
             qm_factors(m, g, n, &D, &M);
             for (int b = 0; b < B; b++) {
                 const int8_t *qx = a->qx + (size_t)b * a->qx_stride;
                 int32_t acc = 0;
                 for (int i = s0; i < s1; i++)
-                    acc += qm_code(m->bits, m->codes + (size_t)a->cols[i] * m->colstride + choff, n % 32) * qx[i];
+                    acc += qm_code(m, a->cols[i], n) * qx[i];
                 float *y = ybuf + (size_t)b * m->npad + n;
                 const float t = fmaf(M, a->xs[(size_t)g * B + b], *y);
                 *y = fmaf(D * a->dx[(size_t)b * a->dx_stride + qb], (float)acc, t);
@@ -44,7 +47,8 @@ void qm_kernel_scalar(const qm_matrix *m, const qm_acts *a, int row0, int row1, 
 
 /* ---------------------------------------------------------------- activations */
 
-int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int dense, int32_t *cols,
+int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int dense,
+               int all_columns, int32_t *cols,
                int32_t *goff, int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts,
                int *n_slots) {
     const int n_groups = k / group, nq = k / QM_QBLOCK;
@@ -70,7 +74,7 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
         for (int b = 0; b < batch; b++) xs[(size_t)g * batch + b] = 0.0f;
         for (int j = g * group; j < (g + 1) * group; j++) {
             int any = 0;
-            for (int b = 0; b < batch; b++) any |= dense | (fabsf(x[(size_t)b * x_stride + j]) > threshold);
+            for (int b = 0; b < batch; b++) any |= dense | all_columns | (fabsf(x[(size_t)b * x_stride + j]) > threshold);
             if (!any) continue;
             cols[n] = j;
             for (int b = 0; b < batch; b++) {
@@ -83,7 +87,15 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
             }
             n++;
         }
-        kept += n - goff[g];
+        if (all_columns && !dense) { /* every column has a slot: count those a row keeps */
+            for (int i = goff[g]; i < n; i++) {
+                int any = 0;
+                for (int b = 0; b < batch; b++) any |= fabsf(x[(size_t)b * x_stride + cols[i]]) > threshold;
+                kept += any;
+            }
+        } else {
+            kept += n - goff[g];
+        }
         for (; (n - goff[g]) % 4; n++) { /* pad slots: a kept column of the group, times 0 */
             cols[n] = cols[n - 1];
             for (int b = 0; b < batch; b++) qx[(size_t)b * qx_stride + n] = 0;
@@ -97,16 +109,14 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
 /* ---------------------------------------------------------------- dequantization */
 
 void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride) {
-    const int cb = 4 * m->bits;
     float D[32], M[32];
     for (int ja = j0; ja < j1;) { /* the columns of one group at a time: its factors once per chunk */
         const int g = ja / m->group, jb = (g + 1) * m->group < j1 ? (g + 1) * m->group : j1;
         for (int row = row0; row < row1; row += 32) {
             for (int r = 0; r < 32; r++) qm_factors(m, g, row + r, &D[r], &M[r]);
             for (int j = ja; j < jb; j++) {
-                const uint8_t *chunk = m->codes + (size_t)j * m->colstride + (size_t)(row / 32) * cb;
                 float *o = out + (size_t)(j - j0) * out_stride + (row - row0);
-                for (int r = 0; r < 32; r++) o[r] = fmaf(D[r], (float)qm_code(m->bits, chunk, r), M[r]);
+                for (int r = 0; r < 32; r++) o[r] = fmaf(D[r], (float)qm_code(m, j, row + r), M[r]);
             }
         }
         ja = jb;
