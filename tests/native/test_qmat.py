@@ -1,0 +1,122 @@
+"""QMatrix: GGUF quantized types in their own bytes, int8 activations (csrc/qmat*.c, qlayout.py).
+
+Every type against two references: gguf-py's dequantization (the decoded codes and factors
+rebuild the file's weights bit for bit) and the numpy emulation of the kernels' arithmetic
+(int8 activations per 32 inputs, integer sums per group); on every ISA this machine has, in
+both layouts (column runs, and quads of columns), batch 1-8, thresholds, odd shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import quants
+from gguf.constants import GGMLQuantizationType
+from llmlocal.native.sparse_int4 import kernels
+from llmlocal.native.sparse_int4 import qlayout as ql
+from llmlocal.native.sparse_int4.linear import QuantLinear
+
+TYPES = sorted(ql.FORMATS)
+NAMES = [ql.FORMATS[t].name for t in TYPES]
+
+
+def gguf_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """(n, row bytes) of valid blocks: gguf-py's quantizer where it has one, else random code
+    bytes with small positive fp16 scales (Q8_0 codes kept in [-127, 127] as llama.cpp's)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    try:
+        return np.asarray(quants.quantize(w, GGMLQuantizationType(qtype)))
+    except (NotImplementedError, ValueError, TypeError):
+        pass
+    f = ql.FORMATS[qtype]
+    raw = rng.integers(0, 256, (n, k // f.block_values * f.block_bytes), dtype=np.uint8)
+    blk = raw.reshape(n, -1, f.block_bytes)
+    scale = np.frombuffer(np.float16(0.0123).tobytes(), np.uint8)
+    if qtype == ql.Q6_K:
+        blk[..., 208:210] = scale
+    else:
+        blk[..., 0:2] = scale
+        if f.has_m:
+            blk[..., 2:4] = np.frombuffer(np.float16(0.031).tobytes(), np.uint8)
+    if qtype == ql.Q8_0:
+        codes = blk[..., 2:]
+        codes[codes == 128] = 129
+    return raw
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_decode_matches_gguf_dequantize(qtype: int) -> None:
+    f = ql.FORMATS[qtype]
+    for n, k in [(7, f.block_values), (40, 2 * f.block_values * 3)]:
+        raw = gguf_blocks(qtype, n, k)
+        ours = ql.decode(raw, qtype).dequantize()
+        ref = quants.dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, k)
+        np.testing.assert_array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["columns", "quads"])
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_gemv_matches_reference(isa: str, qtype: int, interleaved: bool) -> None:
+    f = ql.FORMATS[qtype]
+    rng = np.random.default_rng(qtype)
+    for n, k in [(33, 256), (96, 512), (130, 768)]:  # odd row counts: padded chunks
+        if k % f.block_values:
+            continue
+        c = ql.decode(gguf_blocks(qtype, n, k, seed=n), qtype)
+        p = ql.pack(c, interleaved)
+        m = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, interleaved)
+        for batch in (1, 2, 3, 8):
+            for threshold in (None, 0.6):
+                x = rng.standard_normal((batch, k)).astype(np.float32)
+                x[:, :32] = 0.0  # a whole block of zeros: dx = 0
+                y = np.full((batch, n), np.nan, dtype=np.float32)
+                kept = m.gemv(x, y, batch, k, n, 0.0 if threshold is None else threshold, threshold is None, None)
+                ref = ql.reference_gemv(c, x, threshold)
+                scale = np.abs(ref).max()
+                np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * scale, err_msg=f"{n}x{k} batch {batch}")
+                if threshold is None:
+                    assert kept == k
+                elif not interleaved:  # the columns read: those some row keeps
+                    assert kept == int((np.abs(x) > threshold).any(axis=0).sum())
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["columns", "quads"])
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_dequantize_kernel_is_exact(qtype: int, interleaved: bool) -> None:
+    n, k = 70, 512
+    c = ql.decode(gguf_blocks(qtype, n, k), qtype)
+    p = ql.pack(c, interleaved)
+    m = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, interleaved)
+    out = np.zeros((k, p.npad), dtype=np.float32)
+    m.dequantize(out, 0, p.npad, p.npad)
+    np.testing.assert_array_equal(out[:, :n].T, c.dequantize())
+
+
+def test_stacked_types_and_prefill_matmul() -> None:
+    """A fused projection whose parts differ in type (q, k Q4_K; v Q6_K): one matrix per run of
+    a type, outputs stacked; 8+ rows in chunks, 48+ rows as a GEMM on the dequantized weight."""
+    import torch
+
+    k = 512
+    parts = [ql.decode(gguf_blocks(t, n, k, seed=n), t) for t, n in [(ql.Q4_K, 64), (ql.Q4_K, 32), (ql.Q6_K, 32)]]
+    lin = QuantLinear(parts, interleaved=True)
+    assert lin.qtypes == [ql.Q4_K, ql.Q6_K] and lin.out_features == 128
+    w = np.concatenate([p.dequantize() for p in parts])
+    x = torch.randn(50, k)
+    ref = ql.reference_gemv(ql.QuantCodes.concat(parts[:2]), x[:11].numpy())
+    ref = np.concatenate([ref, ql.reference_gemv(parts[2], x[:11].numpy())], axis=1)
+    np.testing.assert_allclose(lin(x[:11].contiguous()).numpy(), ref, atol=2e-5 * np.abs(ref).max())
+    full = lin(x)  # 50 rows: fp32 activations through the matmul
+    np.testing.assert_allclose(full.numpy(), x.numpy() @ w.T, rtol=1e-4, atol=1e-4 * np.abs(full.numpy()).max())
+
+
+def test_qmatrix_refuses_wrong_arrays() -> None:
+    c = ql.decode(gguf_blocks(ql.Q4_K, 32, 256), ql.Q4_K)
+    p = ql.pack(c)
+    with pytest.raises(ValueError, match="takes m"):
+        kernels().QMatrix(ql.Q4_K, p.codes, p.d, None, p.sc, p.mn, 32, 256)
+    with pytest.raises(ValueError, match="no native kernel"):
+        kernels().QMatrix(99, p.codes, p.d, p.m, p.sc, p.mn, 32, 256)
+    with pytest.raises(ValueError, match="holds"):
+        kernels().QMatrix(ql.Q4_K, p.codes[:10], p.d, p.m, p.sc, p.mn, 32, 256)
