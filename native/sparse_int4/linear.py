@@ -176,7 +176,7 @@ class QuantLinear:
 
     Same calling convention and counters as `SparseInt4Linear`: batches of up to 8 rows run
     the GEMV (more in chunks of 8), torch tensors of 48 rows or more (prefill) torch's GEMM on
-    the weight dequantized in tiles, with fp32 activations."""
+    the weight dequantized in tiles, on the activations rounded as the GEMV rounds them."""
 
     def __init__(self, parts: list[QuantCodes], interleaved: bool = False) -> None:
         runs: list[list[QuantCodes]] = []
@@ -243,7 +243,9 @@ class QuantLinear:
         return out
 
     def _matmul(self, x: Any, out: Any, t: float, dense: bool) -> None:
-        """out = x' W^T by torch's GEMM on the weight dequantized a tile of rows at a time."""
+        """out = x^ W^T by torch's GEMM on the weight dequantized a tile of rows at a time, x^
+        the activations rounded as the GEMV rounds them: a prompt gives the same numbers
+        whether it is computed in one chunk or token by token (prefix caching changes which)."""
         import torch
 
         k = self.in_features
@@ -253,6 +255,7 @@ class QuantLinear:
             x = x * keep
         else:
             self.rows_kept = x.shape[0] * k
+        x = quantize_dequantize(x)
         buf = getattr(_scratch, "buf", None)
         for m, r0, p in zip(self.matrices, self.row0, self.packed):
             tile = max(32, min(p.npad, MATMUL_TILE_BYTES // (4 * k) // 32 * 32))
@@ -265,6 +268,18 @@ class QuantLinear:
                 c = min(p.n, b)
                 out[:, r0 + a : r0 + c] = x @ w[:, : c - a]
         self.kept_columns = self.columns_read = k
+
+
+def quantize_dequantize(x: Any) -> Any:
+    """(B, K) float32 tensor -> dx * qx, the int8 activations of the QMatrix kernels per 32
+    inputs (dx = max |x| / 127, qx = round-half-even(x * (1 / dx)), all in float32)."""
+    import torch
+
+    b, k = x.shape
+    xb = x.reshape(b, k // 32, 32)
+    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(b, k)
 
 
 class Int8RowsLinear:

@@ -300,8 +300,8 @@ def quantize_activations(x: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, n
 
 
 def reference_gemv(c: QuantCodes, x: np.ndarray, threshold: float | None = None) -> np.ndarray:
-    """y (B, N) as the kernels compute it: int8 activations, integer sums per group, then
-    y += D dx sum + M sum(kept x), in float64 (the kernels' float32 rounding is within the test
+    """y (B, N) as the kernels compute it: int8 activations x^ = dx qx, integer sums per group,
+    then y += D dx sum(q qx) + M dx sum(qx), in float64 (the kernels' float32 rounding is within the test
     tolerance)."""
     f = FORMATS[c.qtype]
     x = np.atleast_2d(np.asarray(x, dtype=np.float32))
@@ -313,7 +313,8 @@ def reference_gemv(c: QuantCodes, x: np.ndarray, threshold: float | None = None)
     q = c.signed_codes().astype(np.int64).reshape(n, g, f.group)
     sums = np.einsum("ngj,bgj->bng", q, qx.astype(np.int64).reshape(-1, g, f.group))  # (B, N, G)
     dxg = np.repeat(dx, 32 // f.group, axis=1) if f.group < 32 else dx  # (B, G)
-    xs = np.where(keep, x, 0).astype(np.float64).reshape(-1, g, f.group).sum(-1)  # (B, G)
+    # the M term takes the quantized x too: sum_j w_j x^_j is what the kernels approximate
+    xs = (qx.astype(np.float64).reshape(-1, g, f.group).sum(-1)) * dxg  # (B, G)
     y = (d[None] * dxg[:, None, :] * sums).sum(-1) + (m[None] * xs[:, None, :]).sum(-1)
     return y.astype(np.float32)
 

@@ -24,7 +24,7 @@
  * Activations: x is quantized per 32 inputs, as llama.cpp's Q8_0 does (dx = max |x| / 127,
  * qx = round(x / dx)), and the kept columns of each group are listed in slots padded to a
  * multiple of 4 (a pad slot repeats a kept column with qx = 0), so that the kernels multiply
- * four columns at a time:  y_n += D_ng * dx * sum_slots q_nj qx_j  +  M_ng * sum_kept x_j.
+ * four columns at a time:  y_n += D_ng * dx * sum_slots q_nj qx_j  +  M_ng * dx * sum_kept qx_j.
  */
 #ifndef LLMLOCAL_QMAT_H
 #define LLMLOCAL_QMAT_H
@@ -59,7 +59,7 @@ typedef struct {
     size_t qx_stride;
     const float *dx;      /* (batch, K / 32) scale of each row's block of 32 inputs */
     size_t dx_stride;
-    const float *xs;      /* (n_groups, batch) sum of each row's kept x in group g */
+    const float *xs;      /* (n_groups, batch) dx * sum of each row's kept qx in group g */
 } qm_acts;
 
 /* Rows [row0, row1) (multiples of 32) over the groups [g0, g1), every batch row, into

@@ -6,7 +6,7 @@
  * sum of four products in int32 (|q| <= 63 times |qx| <= 127: no int16 saturation; Q8_0's
  * signed codes take the sign of x instead, as |x| * sign(q, x)). The chunk layout (qlayout.py)
  * is chosen so that the byte interleave below yields rows in natural order. Per group, the
- * int32 sums are scaled by D * dx and M * sum(x) is added, in float32.
+ * int32 sums are scaled by D * dx and M * dx * sum(qx) is added, in float32.
  *
  * Compiled with -mavx2 -mfma -mf16c (setup.py); called only on CPUs that have them. */
 #include <immintrin.h>

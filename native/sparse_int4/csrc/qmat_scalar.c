@@ -82,8 +82,11 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
                 const int keep = dense | (fabsf(v) > threshold);
                 const float d = dx[(size_t)b * dx_stride + j / QM_QBLOCK];
                 const float id = d > 0.0f ? 1.0f / d : 0.0f;
-                qx[(size_t)b * qx_stride + n] = keep ? (int8_t)lrintf(v * id) : 0;
-                if (keep) xs[(size_t)g * batch + b] += v;
+                const int8_t q = keep ? (int8_t)lrintf(v * id) : 0;
+                qx[(size_t)b * qx_stride + n] = q;
+                /* the sum of the quantized values: then the error of sum_j (D q_j + M) x_j is
+                 * sum_j w_j (x^_j - x_j), not D sum_j q_j (x^_j - x_j) (q is unsigned, w centred) */
+                xs[(size_t)g * batch + b] += (float)q * d;
             }
             n++;
         }
