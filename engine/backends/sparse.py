@@ -8,10 +8,11 @@ calibrated per-layer thresholds (`ModelSpec.sparsity`, written by `llmlocal quan
 sparsity a decode step reads about half the projection weights.
 
 `--sparsity S` overrides the calibrated level (thresholds interpolated from the calibration
-grid); 0 runs every column through the same kernels. Projections the kernels cannot read
-(e.g. Q6_K tensors in a Q4_K_M file) keep their torch layer and get the same thresholds, so
-the output does not depend on which layers skip; they count as fully read in
-`Stats.achieved_sparsity`.
+grid); 0 runs every column through the same kernels. Every GGUF quantized type runs in the
+QMatrix kernels in its own bytes, one run of bytes per column (so that zeroed inputs skip
+theirs); projections the kernels cannot read (float tensors) keep their torch layer and get
+the same thresholds, so the output does not depend on which layers skip; they count as fully
+read in `Stats.achieved_sparsity`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from llmlocal.native import sparse_int4
 from ..drafter import Drafter
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf
-from ..model.fast_decode import FastDecode, native_quant
+from ..model.fast_decode import FastDecode, default_activations, native_quant
 from ..model.sparse_linear import SparseInt4Projection, SparseProjection, ThresholdedLinear
 from ..model.sparsity import projection_modules
 from ..plan import Plan
@@ -69,7 +70,7 @@ class SparseBackend(PagedBackend):
     @classmethod
     def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
         net = load_gguf(model.spec, device, dtype, "auto", max_position=n_ctx, int4=SparseInt4Projection,
-                        quant=native_quant(device, dtype, sparse=True))
+                        quant=native_quant(device, dtype, sparse=True, activations=default_activations(model.spec)))
         for layer in net.layers:
             for attr in ("qkv", "o_proj", "gate_up", "down"):
                 inner = getattr(layer, attr)

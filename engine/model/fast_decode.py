@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
+from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.sparse_int4 import kernels
 from llmlocal.native.sparse_int4.linear import QuantLinear
@@ -54,12 +55,12 @@ def native_quant(
     """The layer for GGUF quantized projections on this device: the int8-activation kernels
     reading each tensor in its own bytes (every type of `qlayout.FORMATS`), on the CPU in fp32;
     None elsewhere. Dense models store columns in quads (faster); ``sparse`` keeps each column
-    its own run, so that the kernels skip the columns of zeroed inputs. With ``activations="fp32"`` (or LLMLOCAL_NATIVE_ACTIVATIONS=fp32), the
+    its own run, so that the kernels skip the columns of zeroed inputs. With ``activations="fp32"`` (or LLMLOCAL_NATIVE_ACTIVATIONS=fp32, which overrides), the
     4-bit types keep the INT4 kernels with fp32 activations (closer to an exact reference,
     slower: see README), and only the others take the int8 path."""
     if native_int4(device, dtype) is None:
         return None
-    mode = (activations or os.environ.get("LLMLOCAL_NATIVE_ACTIVATIONS", "int8")).strip().lower()
+    mode = (os.environ.get("LLMLOCAL_NATIVE_ACTIVATIONS") or activations or "int8").strip().lower()
     if mode not in ("int8", "fp32"):
         raise LLMLocalError(f"LLMLOCAL_NATIVE_ACTIVATIONS must be int8 or fp32, not {mode!r}.")
 
@@ -69,6 +70,17 @@ def native_quant(
         return QuantProjection(parts, bias, interleaved=not sparse)
 
     return build
+
+
+def default_activations(spec: ModelSpec) -> str:
+    """fp32 for a file whose projections are all 4-bit (Q4_0, Q4_1, Q4_K: the INT4 kernels take
+    fp32 activations, and every path - prefill GEMM, batched and single decode - computes the
+    same numbers to float rounding, so greedy output does not depend on batching or the prefix
+    cache); int8 for a mix with other types (Q4_K_M files), where it is 2-3x faster than the
+    torch layers those types would otherwise need. Rounding activations makes the paths differ
+    by more than float rounding: greedy output may then change with batching."""
+    types = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+    return "fp32" if types and types <= INT4_TYPES else "int8"
 
 
 def native_head(model: LlamaModel) -> None:

@@ -42,13 +42,15 @@ def sparse(sparse_starter: tuple[Path, dict]) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def reference(sparse_starter: tuple[Path, dict]) -> Engine:
+def reference(sparse_starter: tuple[Path, dict], sparse: Engine) -> Engine:
     """The same file in the paged engine, fp32, every projection dequantized exactly, with the
-    INT8 tied head the sparse backend uses too (through the same native GEMV)."""
+    INT8 embedding rows and the output head (the file's Q8_0 bytes in the native kernels) the
+    sparse backend uses too."""
     with Engine.load(Plan(model=str(sparse_starter[0]), backend="paged", weights="dense", dtype="fp32", n_ctx=1024)) as e:
         model = e.backend.runner.model
         model.quantize_tied_head()
         native_head(model)
+        model.lm_head = sparse.backend.runner.model.lm_head
         yield e
 
 
@@ -187,7 +189,7 @@ def test_generation_at_level_zero_follows_the_dense_model(sparse_starter: tuple[
     """Greedy decoding through the kernels (DecodeStack) at 0 picks, at every step, the top
     token of the fp32 dense paged engine (same head) on the same context, or a near tie.
 
-    Not text equality: the INT8 head quantizes its input per block of 32, so two exact
+    Not text equality: the head quantizes its input per block of 32, so two exact
     implementations that sum in different orders may break a near tie differently, and the
     texts part from there on. A near tie is a log-probability within 0.05 of the top one; a
     wrong position, cache slot or rotation loses whole nats."""
@@ -197,11 +199,13 @@ def test_generation_at_level_zero_follows_the_dense_model(sparse_starter: tuple[
     with Engine.load(Plan(model=path, backend="sparse", sparsity=0.0, n_ctx=512)) as e:
         prompt = e.prompt_ids(request)
         got = [t for ev in e.generate(request) if isinstance(ev, TokenEvent) for t in ev.token_ids]
+        head = e.backend.runner.model.lm_head  # the file's Q8_0 head in the native kernels
     assert len(got) == 48
     with Engine.load(Plan(model=path, backend="paged", weights="dense", dtype="fp32", n_ctx=512)) as e:
         assert isinstance(e.backend, PagedBackend)
         e.backend.runner.model.quantize_tied_head()
         native_head(e.backend.runner.model)
+        e.backend.runner.model.lm_head = head
         lp = e.backend.log_probs(prompt + got)[len(prompt) - 1 :]  # row i predicts got[i]
     margin = lp.max(-1) - lp[np.arange(len(got)), got]
     print(f"\nlevel 0 greedy vs dense: {np.mean(margin == 0):.0%} top-1, largest margin {margin.max():.3f}")
