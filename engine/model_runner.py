@@ -48,6 +48,9 @@ class ModelRunner:
             for _ in range(cfg.n_layers)
         ]
         self.graphs: DecodeGraphs | None = None
+        # chunks of up to this many tokens after a context run as decode rows (1: only single
+        # tokens); set by a native decode path whose rows compute what decoding alone would
+        self.native_rows = 1
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         """Capture decode steps as CUDA graphs (see `cuda_graphs`); a no-op off CUDA."""
@@ -101,8 +104,12 @@ class ModelRunner:
         """
         if all_rows and any(it.num_tokens == 1 and it.start > 0 for it in items):
             raise ValueError("all_rows is for prefill chunks only")
-        decodes = [it for it in items if it.num_tokens == 1 and it.start > 0]
-        prefills = [it for it in items if not (it.num_tokens == 1 and it.start > 0)]
+        # A few tokens after a context (speculative verification) run as decode rows where the
+        # model decodes natively (`native_rows`): each token one row over its own context, so
+        # its numbers are those of decoding it alone.
+        short = 1 if all_rows or kv_caches is not None else max(1, self.native_rows)
+        decodes = [it for it in items if it.start > 0 and it.num_tokens <= short]
+        prefills = [it for it in items if not (it.start > 0 and it.num_tokens <= short)]
         ordered = decodes + prefills
         dev = self.device
 
@@ -112,23 +119,24 @@ class ModelRunner:
             input_ids.extend(it.seq.token_ids[it.start : it.start + it.num_tokens])
             positions.extend(range(it.start, it.start + it.num_tokens))
         slot_parts: list[torch.Tensor] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decodes))
+        decode_rows = [(it, it.start + r) for it in decodes for r in range(it.num_tokens)]  # (item, position)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode_rows))
 
         if decodes:
             width = max(len(it.seq.block_table) for it in decodes)
-            tables = torch.zeros((len(decodes), width), dtype=torch.int32)  # (B, max_blocks), 0-padded
-            for row, it in enumerate(decodes):
+            tables = torch.zeros((len(decode_rows), width), dtype=torch.int32)  # (B, max_blocks), 0-padded
+            for row, (it, _) in enumerate(decode_rows):
                 tables[row, : len(it.seq.block_table)] = torch.tensor(it.seq.block_table, dtype=torch.int32)
             tables = tables.to(dev)
-            pos = torch.tensor([it.start for it in decodes], device=dev)
-            rows = torch.arange(len(decodes), device=dev)
+            pos = torch.tensor([p for _, p in decode_rows], device=dev)
+            rows = torch.arange(len(decode_rows), device=dev)
             blocks = tables[rows, pos // self.block_size].long()
             slot_parts.append(blocks * self.block_size + pos % self.block_size)
             meta.block_tables = tables
             meta.context_lens = (pos + 1).to(torch.int32)
-            meta.max_context_len = max(it.start for it in decodes) + 1
+            meta.max_context_len = max(p for _, p in decode_rows) + 1
             if (
-                self.graphs is not None and not prefills and kv_caches is None
+                self.graphs is not None and not prefills and kv_caches is None and len(decode_rows) == len(decodes)
                 and self.graphs.can_run(len(decodes), width)
             ):
                 ids = torch.tensor(input_ids, device=dev)
@@ -138,15 +146,15 @@ class ModelRunner:
                 # every position of every context, once for all layers: (B, L) slots
                 length = meta.max_context_len
                 offsets = torch.arange(self.block_size, device=dev)
-                slots = (tables.long()[:, :, None] * self.block_size + offsets).view(len(decodes), -1)[:, :length]
+                slots = (tables.long()[:, :, None] * self.block_size + offsets).view(len(decode_rows), -1)[:, :length]
                 meta.decode_slots = slots.contiguous()
-                if any(it.start + 1 != length for it in decodes):
+                if any(p + 1 != length for _, p in decode_rows):
                     valid = torch.arange(length, device=dev)[None, :] < meta.context_lens[:, None]  # (B, L)
                     # padding points at slot 0, which holds finite values (the pool is zeroed)
                     meta.decode_slots = torch.where(valid, slots, 0).contiguous()
                     meta.decode_mask = valid[:, None, None, :]
 
-        offset = len(decodes)
+        offset = len(decode_rows)
         for it in prefills:
             table = torch.tensor(it.seq.block_table, dtype=torch.long, device=dev)
             all_slots = self._slots(table, 0, it.start + it.num_tokens)

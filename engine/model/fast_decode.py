@@ -125,6 +125,7 @@ class FastDecode:
         self.cis = torch.view_as_real(model.rotary.cis).contiguous()  # (P, D/2, 2) float32: [cos, sin]
         self._generic = model.forward
         model.forward = self.forward  # type: ignore[method-assign]
+        runner.native_rows = MAX_ROWS  # verification chunks come as decode rows (see ModelRunner.execute)
 
     @classmethod
     def attach(cls, runner: ModelRunner) -> FastDecode | None:

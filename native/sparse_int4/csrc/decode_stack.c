@@ -266,7 +266,9 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
     /* the attention's units (the same for every layer) and scratch */
     int first[SI4_MAX_BATCH + 1] = {0}, chunks[SI4_MAX_BATCH];
-    const int want = (si4_pool_size() + batch - 1) / batch; /* chunks per row for every thread to have one */
+    /* chunks per row for every thread to have one, whatever the batch: a row's attention sums
+     * in the same order alone or batched (a verified draft token gets the numbers of decoding it) */
+    const int want = si4_pool_size();
     for (int b = 0; b < batch; b++) {
         chunks[b] = n_chunks(lens[b], want);
         first[b + 1] = first[b] + chunks[b];

@@ -50,6 +50,7 @@ static struct {
     size_t cols_n, goff_n, xv_n, xs_n, ybuf_n, dx_n, qx_n;
 } S;
 static qm_kernel_fn g_qkernel;
+static qm_dequant_fn g_qdequant;
 
 static int grow(void **p, size_t *cap, size_t n, size_t elem) {
     if (n <= *cap) return 0;
@@ -188,7 +189,8 @@ static int qm_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stri
                  .qx_stride = slots, .dx = S.dx, .dx_stride = nq, .xs = S.xs};
     job_t job = {.m = &mo->m, .qm = q, .qa = &a, .qkernel = g_qkernel, .batch = batch, .n_groups = G, .goff = S.goff,
                  .ybuf = S.ybuf, .y = py, .y_stride = y_stride};
-    share_out(&job, (size_t)n_kept * q->colstride * batch);
+    /* threads by one row's bytes: a row's sums are split, so rounded, the same in any batch */
+    share_out(&job, (size_t)n_kept * q->colstride);
     return n_kept;
 }
 
@@ -357,7 +359,7 @@ static void run_dequant(void *arg, int part, int n_parts) {
     const int pieces = (j->m->k + DEQUANT_PIECE - 1) / DEQUANT_PIECE;
     for (int c; (c = atomic_fetch_add(&j->next, 1)) < pieces;) {
         const int j0 = c * DEQUANT_PIECE, j1 = j0 + DEQUANT_PIECE < j->m->k ? j0 + DEQUANT_PIECE : j->m->k;
-        if (j->qm) qm_dequant(j->qm, j0, j1, j->row0, j->row1, j->out + (size_t)j0 * j->stride, j->stride);
+        if (j->qm) g_qdequant(j->qm, j0, j1, j->row0, j->row1, j->out + (size_t)j0 * j->stride, j->stride);
         else j->fn(j->m, j0, j1, j->row0, j->row1, j->out + (size_t)j0 * j->stride, j->stride);
     }
 }
@@ -641,6 +643,8 @@ static PyObject *py_set_isa(PyObject *mod, PyObject *arg) {
     g_dequant = si4_dequant_for(isa);
     g_prepare = si4_prepare_for(isa);
     g_qkernel = qm_kernel_for(isa);
+    g_qdequant = qm_dequant_for(isa);
+    g_dense_prepare = qm_dense_prepare_for(isa);
     pthread_mutex_unlock(&si4_call_lock);
     Py_RETURN_NONE;
 }
@@ -783,6 +787,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     g_dequant = si4_dequant_for(g_isa);
     g_prepare = si4_prepare_for(g_isa);
     g_qkernel = qm_kernel_for(g_isa);
+    g_qdequant = qm_dequant_for(g_isa);
+    g_dense_prepare = qm_dense_prepare_for(g_isa);
     if (PyType_Ready(&si4_matrix_type) < 0 || PyType_Ready(&si4_qmatrix_type) < 0 || PyType_Ready(&si4_stack_type) < 0 || PyType_Ready(&si8_matrix_type) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&module_def);

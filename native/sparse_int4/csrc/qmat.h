@@ -82,7 +82,24 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
 
 /* Columns [j0, j1), rows [row0, row1) (multiples of 32) of the dequantized W, transposed:
  * out[(j - j0) * out_stride + n - row0] = W[n, j]. */
+/* The dense case of qm_prepare (every column kept, slots = columns): qx, dx, xs only. */
+typedef void (*qm_dense_prepare_fn)(const float *x, size_t x_stride, int batch, int k, int group, int8_t *qx,
+                                    size_t qx_stride, float *dx, size_t dx_stride, float *xs);
+void qm_dense_prepare_scalar(const float *x, size_t x_stride, int batch, int k, int group, int8_t *qx,
+                             size_t qx_stride, float *dx, size_t dx_stride, float *xs);
+#ifdef LLMLOCAL_X86_VARIANTS
+void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, int group, int8_t *qx,
+                           size_t qx_stride, float *dx, size_t dx_stride, float *xs);
+#endif
+qm_dense_prepare_fn qm_dense_prepare_for(int isa);
+extern qm_dense_prepare_fn g_dense_prepare; /* the current ISA's, set with it */
+
+typedef void (*qm_dequant_fn)(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
+#ifdef LLMLOCAL_X86_VARIANTS
+void qm_dequant_avx2(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
+#endif
+qm_dequant_fn qm_dequant_for(int isa);
 
 /* Code of row n, column j (see qlayout.py for the map), as the unsigned q (Q8_0: the signed
  * value). */

@@ -136,6 +136,7 @@ AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const
     for (int b = 0; b < BB; b++)
         for (int v = 0; v < 4; v++) acc[b][v] = _mm256_setzero_si256();
     const int pf = prefetch ? si4_prefetch_ahead * BITS / 4 * (IL ? 4 : 1) : 0;
+    const size_t tile = ((size_t)g * (m->npad / 32) + row / 32) * (m->group / 4); /* in quads */
     for (int i0 = s0; i0 < s1; i0 += 4 * QUADS_PER_I16(BITS)) {
         const int i1 = i0 + 4 * QUADS_PER_I16(BITS) < s1 ? i0 + 4 * QUADS_PER_I16(BITS) : s1;
         __m256i acc16[PASS][4];
@@ -143,8 +144,8 @@ AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const
             for (int v = 0; v < 4; v++) acc16[b][v] = _mm256_setzero_si256();
         for (int i = i0; i < i1; i += 4) {
             __m256i W[4];
-            if (IL) { /* the quad's run starts where its first column's would */
-                const uint8_t *p = m->codes + (size_t)a->cols[i] * stride + 4 * choff;
+            if (IL) { /* tiles (group, chunk) of the group's quads: one stream in this loop's order */
+                const uint8_t *p = m->codes + (tile + (size_t)(i - s0) / 4) * (16 * BITS);
                 if (pf) __builtin_prefetch(p + pf, 0, 3);
                 load_quad_il(p, BITS, W);
             } else {
@@ -211,5 +212,87 @@ void qm_kernel_avx2(const qm_matrix *m, const qm_acts *a, int row0, int row1, in
     case 13: kernel(m, a, row0, row1, g0, g1, ybuf, 6, 1); break;
     case 16: kernel(m, a, row0, row1, g0, g1, ybuf, 8, 0); break;
     default: kernel(m, a, row0, row1, g0, g1, ybuf, 8, 1); break;
+    }
+}
+
+/* Columns [j0, j1), rows [row0, row1) of W as float32, transposed (qmat.h), a quad of columns
+ * and 32 rows at a time through the kernels' own code loads. */
+AI void dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride, const int BITS,
+                const int IL) {
+    const int cb = 4 * BITS;
+    for (int j = j0 & ~3; j < j1; j += 4) {
+        const int g = j / m->group;
+        for (int row = row0; row < row1; row += 32) {
+            __m256i W[4];
+            if (IL) {
+                const size_t tile = ((size_t)g * (m->npad / 32) + row / 32) * (m->group / 4);
+                load_quad_il(m->codes + (tile + (size_t)(j % m->group) / 4) * (4 * cb), BITS, W);
+            } else {
+                const uint8_t *p[4];
+                for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)(j + t) * m->colstride + (size_t)(row / 32) * cb;
+                load_quad(p, BITS, W);
+            }
+            for (int v = 0; v < 4; v++) {
+                __m256 D, M;
+                factors8(m, g, row + 8 * v, &D, &M);
+                for (int t = 0; t < 4; t++) {
+                    if (j + t < j0 || j + t >= j1) continue;
+                    const __m256i q = BITS == 8 ? _mm256_srai_epi32(_mm256_slli_epi32(W[v], 24 - 8 * t), 24)
+                                                : _mm256_and_si256(_mm256_srli_epi32(W[v], 8 * t), _mm256_set1_epi32(255));
+                    float *o = out + (size_t)(j + t - j0) * out_stride + (row - row0) + 8 * v;
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(q), M));
+                }
+            }
+        }
+    }
+}
+
+void qm_dequant_avx2(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride) {
+    switch (m->bits * 2 + !!m->interleaved) {
+    case 8: dequant(m, j0, j1, row0, row1, out, out_stride, 4, 0); break;
+    case 9: dequant(m, j0, j1, row0, row1, out, out_stride, 4, 1); break;
+    case 10: dequant(m, j0, j1, row0, row1, out, out_stride, 5, 0); break;
+    case 11: dequant(m, j0, j1, row0, row1, out, out_stride, 5, 1); break;
+    case 12: dequant(m, j0, j1, row0, row1, out, out_stride, 6, 0); break;
+    case 13: dequant(m, j0, j1, row0, row1, out, out_stride, 6, 1); break;
+    case 16: dequant(m, j0, j1, row0, row1, out, out_stride, 8, 0); break;
+    default: dequant(m, j0, j1, row0, row1, out, out_stride, 8, 1); break;
+    }
+}
+
+/* qm_dense_prepare (qmat_scalar.c) eight inputs at a time: the same float operations
+ * (vcvtps2dq rounds to nearest even, as lrintf), so every ISA gives the same qx, dx and xs. */
+void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, int group, int8_t *qx,
+                           size_t qx_stride, float *dx, size_t dx_stride, float *xs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int b = 0; b < batch; b++) {
+        const float *xb = x + (size_t)b * x_stride;
+        int8_t *qb = qx + (size_t)b * qx_stride;
+        for (int q = 0; q < k / QM_QBLOCK; q++) {
+            const float *p = xb + q * QM_QBLOCK;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(p + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            dx[(size_t)b * dx_stride + q] = d;
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256i r[4];
+            for (int i = 0; i < 4; i++) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));
+            /* int32 -> int8, in order: packs work within 128-bit lanes, a permute restores it */
+            const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qb + q * QM_QBLOCK), bytes);
+        }
+        for (int g = 0; g < k / group; g++) {
+            int32_t isum = 0;
+            for (int j = g * group; j < (g + 1) * group; j++) isum += qb[j];
+            xs[(size_t)g * batch + b] = (float)isum * dx[(size_t)b * dx_stride + g * group / QM_QBLOCK];
+        }
     }
 }

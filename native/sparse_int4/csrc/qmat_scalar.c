@@ -12,9 +12,12 @@
  *   8-bit, bytes 0..31:             byte 4 (r / 8) + r % 4 + 16 ((r % 8) / 4)  */
 int qm_code(const qm_matrix *m, int j, int n) {
     const int bits = m->bits, cb = 4 * bits, r = n % 32;
-    /* il: the chunk of column j's quad; byte c of column t's chunk is at 4 c + t there */
+    /* il: the chunk of column j's quad in tile (group, chunk); byte c of column t's chunk is at
+     * 4 c + t there */
     const int il = m->interleaved, t = il ? j % 4 : 0, mul = il ? 4 : 1;
-    const uint8_t *chunk = m->codes + (size_t)(j - t) * m->colstride + (size_t)(n / 32) * cb * mul;
+    const uint8_t *chunk =
+        il ? m->codes + (((size_t)(j / m->group) * (m->npad / 32) + n / 32) * (m->group / 4) + (j % m->group) / 4) * (4 * cb)
+           : m->codes + (size_t)j * m->colstride + (size_t)(n / 32) * cb;
     if (bits == 8) return (int8_t)chunk[il ? 4 * r + t : 4 * (r / 8) + r % 4 + 16 * ((r % 8) / 4)];
     int q = (chunk[mul * (8 * (r / 16) + r % 8) + t] >> (4 * ((r % 16) / 8))) & 15;
     if (bits == 5) q |= ((chunk[16 * mul + mul * (r % 4) + t] >> (2 * (r / 8) + (r % 8) / 4)) & 1) << 4;
@@ -47,6 +50,30 @@ void qm_kernel_scalar(const qm_matrix *m, const qm_acts *a, int row0, int row1, 
 
 /* ---------------------------------------------------------------- activations */
 
+qm_dense_prepare_fn g_dense_prepare; /* set with the ISA (module.c); NULL: the loop below */
+
+/* The dense case of qm_prepare for one ISA-independent definition: per row and block of 32,
+ * dx = max |x| / 127, qx = lrint(x * (1 / dx)), xs = dx * sum of the group's qx. */
+void qm_dense_prepare_scalar(const float *x, size_t x_stride, int batch, int k, int group, int8_t *qx,
+                             size_t qx_stride, float *dx, size_t dx_stride, float *xs) {
+    const int n_groups = k / group;
+    for (int b = 0; b < batch; b++) {
+        const float *xb = x + (size_t)b * x_stride;
+        for (int q = 0; q < k / QM_QBLOCK; q++) {
+            float amax = 0.0f;
+            for (int j = q * QM_QBLOCK; j < (q + 1) * QM_QBLOCK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            dx[(size_t)b * dx_stride + q] = d;
+            for (int j = q * QM_QBLOCK; j < (q + 1) * QM_QBLOCK; j++) qx[(size_t)b * qx_stride + j] = (int8_t)lrintf(xb[j] * id);
+        }
+        for (int g = 0; g < n_groups; g++) {
+            int32_t isum = 0;
+            for (int j = g * group; j < (g + 1) * group; j++) isum += qx[(size_t)b * qx_stride + j];
+            xs[(size_t)g * batch + b] = (float)isum * dx[(size_t)b * dx_stride + g * group / QM_QBLOCK];
+        }
+    }
+}
+
 int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int dense,
                int all_columns, int32_t *cols,
                int32_t *goff, int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts,
@@ -68,10 +95,18 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
         }
         if (row_counts) row_counts[b] = cnt;
     }
+    if (dense && g_dense_prepare) { /* every column in order: the ISA's vector path */
+        g_dense_prepare(x, x_stride, batch, k, group, qx, qx_stride, dx, dx_stride, xs);
+        for (int j = 0; j < k; j++) cols[j] = j;
+        for (int g = 0; g <= n_groups; g++) goff[g] = g * group;
+        *n_slots = k;
+        return k;
+    }
     int n = 0, kept = 0;
+    int32_t isum[SI4_MAX_BATCH];
     for (int g = 0; g < n_groups; g++) {
         goff[g] = n;
-        for (int b = 0; b < batch; b++) xs[(size_t)g * batch + b] = 0.0f;
+        for (int b = 0; b < batch; b++) isum[b] = 0;
         for (int j = g * group; j < (g + 1) * group; j++) {
             int any = 0;
             for (int b = 0; b < batch; b++) any |= dense | all_columns | (fabsf(x[(size_t)b * x_stride + j]) > threshold);
@@ -84,12 +119,14 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
                 const float id = d > 0.0f ? 1.0f / d : 0.0f;
                 const int8_t q = keep ? (int8_t)lrintf(v * id) : 0;
                 qx[(size_t)b * qx_stride + n] = q;
-                /* the sum of the quantized values: then the error of sum_j (D q_j + M) x_j is
-                 * sum_j w_j (x^_j - x_j), not D sum_j q_j (x^_j - x_j) (q is unsigned, w centred) */
-                xs[(size_t)g * batch + b] += (float)q * d;
+                isum[b] += q;
             }
             n++;
         }
+        /* the sum of the quantized values: then the error of sum_j (D q_j + M) x_j is
+         * sum_j w_j (x^_j - x_j), not D sum_j q_j (x^_j - x_j) (q is unsigned, w centred) */
+        for (int b = 0; b < batch; b++)
+            xs[(size_t)g * batch + b] = (float)isum[b] * dx[(size_t)b * dx_stride + g * group / QM_QBLOCK];
         if (all_columns && !dense) { /* every column has a slot: count those a row keeps */
             for (int i = goff[g]; i < n; i++) {
                 int any = 0;
@@ -132,4 +169,20 @@ qm_kernel_fn qm_kernel_for(int isa) {
 #endif
     (void)isa;
     return qm_kernel_scalar;
+}
+
+qm_dequant_fn qm_dequant_for(int isa) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (isa >= SI4_ISA_AVX2) return qm_dequant_avx2;
+#endif
+    (void)isa;
+    return qm_dequant;
+}
+
+qm_dense_prepare_fn qm_dense_prepare_for(int isa) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (isa >= SI4_ISA_AVX2) return qm_dense_prepare_avx2;
+#endif
+    (void)isa;
+    return qm_dense_prepare_scalar;
 }
