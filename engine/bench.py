@@ -2,7 +2,8 @@
 
 * decode  batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation (MBU) per
           backend: MBU = bytes read per token (weights + KV of the context) x tok/s / the
-          machine's measured read bandwidth.
+          machine's measured read bandwidth; the backends take turns, round by round, and
+          each reports its speed relative to the first backend per round and the median.
 * batch   N concurrent requests of mixed prompt and output lengths: aggregate output tok/s of
           `paged` serving them together vs `llamacpp` serving them one after another, and KV
           waste (allocated-but-unfilled slots / allocated slots) sampled during the run.
@@ -71,18 +72,34 @@ def _kv_value_bytes(engine: Engine) -> float:
     return 2.0  # llama.cpp's default f16 KV cache
 
 
-def bench_decode(model: str | None, backends: list[str], max_tokens: int = 128, n_ctx: int = 2048) -> dict[str, Any]:
+def bench_decode(
+    model: str | None, backends: list[str], max_tokens: int = 128, n_ctx: int = 2048, rounds: int = 3
+) -> dict[str, Any]:
+    """Every backend loaded at once, then `rounds` rounds of one request per backend in turn:
+    a machine whose memory bandwidth drifts (shared hosts: a third, here) moves all of them
+    alike, so the per-round ratios to the first backend mean something even when the absolute
+    figures drift. Each backend's figures are from its median round."""
     bandwidth = measure_bandwidth_gb_s()
     out: dict[str, Any] = {"scenario": "decode", "bandwidth_gb_s": round(bandwidth, 2), "backends": {}}
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
-    for name in backends:
-        with Engine.load(Plan(model=model, backend=name, n_ctx=n_ctx)) as engine:
-            _run(engine, messages, 8)  # warm up (first-call allocations, caches)
-            runs = [_run(engine, [{"role": "user", "content": m["content"] + f" ({i})"} for m in messages], max_tokens) for i in range(3)]
-            s = _median_stats([r.stats for r in runs])
+    engines: dict[str, Engine] = {}
+    try:
+        for name in backends:
+            engines[name] = Engine.load(Plan(model=model, backend=name, n_ctx=n_ctx))
+            _run(engines[name], messages, 8)  # warm up (first-call allocations, caches)
+        runs: dict[str, list[Stats]] = {name: [] for name in backends}
+        for i in range(rounds):
+            prompt = [{"role": "user", "content": m["content"] + f" ({i})"} for m in messages]
+            for name in backends:
+                runs[name].append(_run(engines[name], prompt, max_tokens, ignore_eos=True).stats)
+        first = backends[0]
+        for name in backends:
+            engine = engines[name]
+            s = _median_stats(runs[name])
             context = s.prompt_tokens + s.completion_tokens / 2  # mean context while decoding
             kv_bytes = engine.model.spec.kv_bytes_per_token(_kv_value_bytes(engine)) * context
             per_token = _weight_bytes(engine) + kv_bytes
+            ratios = [(a.decode_tok_s or 0) / (b.decode_tok_s or 1) for a, b in zip(runs[name], runs[first])]
             out["backends"][name] = {
                 "ttft_s": s.ttft_s,
                 "decode_tok_s": s.decode_tok_s,
@@ -91,7 +108,12 @@ def bench_decode(model: str | None, backends: list[str], max_tokens: int = 128, 
                 "bytes_per_token": int(per_token),
                 "mbu": per_token * (s.decode_tok_s or 0) / (bandwidth * 1e9),
                 "completion_tokens": s.completion_tokens,
+                f"decode_vs_{first}_per_round": [round(r, 3) for r in ratios],
+                f"decode_vs_{first}": round(statistics.median(ratios), 3),
             }
+    finally:
+        for engine in engines.values():
+            engine.close()
     out["model"] = model or "smollm2-135m"
     return out
 

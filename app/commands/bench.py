@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="decode: backends to compare, comma-separated (default: paged,llamacpp)")
     p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
+    p.add_argument("--rounds", type=int, default=3, metavar="N",
+                   help="decode: rounds in which the backends take turns (default: 3)")
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4)")
     p.add_argument("--sparsity", type=float, default=None, metavar="S",
@@ -54,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
         raise LLMLocalError("--requests must be at least 1.")
     if args.scenario == "decode":
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-        result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens)
+        if args.rounds < 1:
+            raise LLMLocalError(f"--rounds must be 1 or more, not {args.rounds}.")
+        result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens, rounds=args.rounds)
     elif args.scenario == "batch":
         result = bench.bench_batch(args.model, requests=args.requests)
     elif args.scenario == "prefix":
