@@ -1,8 +1,9 @@
 """`llmlocal bench spec`: speculative decoding against the same target decoding alone.
 
-Target: the model at full precision (fp32 weights dequantized from the GGUF). Drafts: the
-same file as INT4 weight-only (or ``--draft``), and n-gram prompt lookup on a "summarise this
-pasted text" prompt. Greedy throughout, so every run produces the same tokens as the target
+Target: the model at full precision (fp32 weights dequantized from the GGUF), drafted by the
+same file as INT4 weight-only; or, with ``--draft M``, the model as it runs for a user (its
+GGUF types in the native kernels on a CPU) drafted by M. And n-gram prompt lookup on a
+"summarise this pasted text" prompt. Greedy throughout, so every run produces the same tokens as the target
 alone and the speedups compare equal work. Batch 1 (one request) and batch 8 (eight
 concurrent requests, aggregate tokens per second).
 """
@@ -74,7 +75,12 @@ def _serve(engine: Engine, prompts: list[str], max_tokens: int) -> dict[str, flo
 
 
 def bench_spec(model: str | None, draft: str | None = None, max_tokens: int = 128, batch: int = 8) -> dict[str, Any]:
-    target = Plan(model=model, backend="paged", weights="dense", dtype="fp32", n_ctx=2048, max_batch=batch)
+    # Without --draft: the target at full precision, drafted by a 4-bit copy of itself. With a
+    # draft model: the target as it runs for a user (its own weights, native kernels on a CPU).
+    if draft:
+        target = Plan(model=model, backend="paged", n_ctx=2048, max_batch=batch)
+    else:
+        target = Plan(model=model, backend="paged", weights="dense", dtype="fp32", n_ctx=2048, max_batch=batch)
     draft = draft or model or "smollm2-135m"
     single = {"plain": [STORY], "ngram": [SUMMARISE]}
     many = {"plain": [f"{STORY} ({i})" for i in range(batch)], "ngram": [f"{SUMMARISE}\n({i})" for i in range(batch)]}
