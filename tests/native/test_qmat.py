@@ -3,7 +3,7 @@
 Every type against two references: gguf-py's dequantization (the decoded codes and factors
 rebuild the file's weights bit for bit) and the numpy emulation of the kernels' arithmetic
 (int8 activations per 32 inputs, integer sums per group); on every ISA this machine has, in
-both layouts (column runs, and quads of columns), batch 1-8, thresholds, odd shapes.
+both layouts (column runs, and quads of columns), batch 1-64, thresholds, odd shapes.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_gemv_matches_reference(isa: str, qtype: int, interleaved: bool) -> None
         c = ql.decode(gguf_blocks(qtype, n, k, seed=n), qtype)
         p = ql.pack(c, interleaved)
         m = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, interleaved)
-        for batch in (1, 2, 3, 8):
+        for batch in (1, 2, 3, 8, 13, 64):  # more than 8 rows: the prefill-shaped loop
             for threshold in (None, 0.6):
                 x = rng.standard_normal((batch, k)).astype(np.float32)
                 x[:, :32] = 0.0  # a whole block of zeros: dx = 0

@@ -308,9 +308,10 @@ static PyObject *Matrix_gemv(MatrixObject *self, PyObject *const *args, Py_ssize
     const double threshold = PyFloat_AsDouble(args[5]);
     const int dense = PyObject_IsTrue(args[6]);
     if (PyErr_Occurred() || dense < 0) return NULL;
-    if (batch < 1 || batch > SI4_MAX_BATCH || xs_ < m->k || ys_ < m->n) {
+    const int max_batch = self->quant ? QM_MAX_BATCH : SI4_MAX_BATCH;
+    if (batch < 1 || batch > max_batch || xs_ < m->k || ys_ < m->n) {
         PyErr_Format(PyExc_ValueError, "gemv: batch %ld must be 1..%d, x_stride >= %d, y_stride >= %d",
-                     batch, SI4_MAX_BATCH, m->k, m->n);
+                     batch, max_batch, m->k, m->n);
         return NULL;
     }
     const size_t x_stride = (size_t)xs_, y_stride = (size_t)ys_;
@@ -802,6 +803,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         PyModule_AddObject(mod, "Int8Matrix", (PyObject *)&si8_matrix_type) < 0 ||
         PyModule_AddObject(mod, "DecodeStack", (PyObject *)&si4_stack_type) < 0 ||
         PyModule_AddIntConstant(mod, "MAX_BATCH", SI4_MAX_BATCH) < 0 ||
+        PyModule_AddIntConstant(mod, "QM_MAX_BATCH", QM_MAX_BATCH) < 0 ||
         PyModule_AddIntConstant(mod, "CHUNK_ROWS", SI4_CHUNK_ROWS) < 0) {
         Py_DECREF(&si4_matrix_type);
         Py_DECREF(&si4_stack_type);

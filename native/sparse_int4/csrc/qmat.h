@@ -36,6 +36,9 @@
 
 enum { QM_Q4_0 = 2, QM_Q4_1 = 3, QM_Q5_0 = 6, QM_Q5_1 = 7, QM_Q8_0 = 8, QM_Q4_K = 12, QM_Q5_K = 13, QM_Q6_K = 14 };
 #define QM_QBLOCK 32 /* inputs per activation scale */
+/* Rows of x per call: prefill chunks run through the GEMV too, each weight byte read once per
+ * QM_MAX_BATCH rows (DecodeStack's steps stay within SI4_MAX_BATCH). */
+#define QM_MAX_BATCH 64
 
 typedef struct {
     const uint8_t *codes;  /* (K, colstride) */

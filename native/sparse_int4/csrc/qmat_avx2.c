@@ -10,6 +10,7 @@
  *
  * Compiled with -mavx2 -mfma -mf16c (setup.py); called only on CPUs that have them. */
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qmat.h"
@@ -126,13 +127,13 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
  * products q x, |q| <= 2^bits - 1 (Q8_0 through the sign trick: 128), |x| <= 127. */
 #define QUADS_PER_I16(BITS) ((BITS) == 4 ? 8 : (BITS) == 5 ? 4 : (BITS) == 6 ? 2 : 1)
 
-/* One pass: batch rows b0 .. b0 + BB - 1 over the chunk at `row` of group g. */
-AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS, const int IL,
-             int prefetch, float *ybuf) {
+/* The int32 sums of group g over the chunk at `row`, batch rows b0 .. b0 + BB - 1:
+ * acc[b][v] element e = sum over the group's slots of q (row + 8v + e) * qx (b0 + b). */
+AI void group_sums(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS,
+                   const int IL, int prefetch, __m256i acc[PASS][4]) {
     const size_t choff = (size_t)(row / 32) * (4 * BITS), stride = m->colstride;
     const int s0 = a->goff[g], s1 = a->goff[g + 1];
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[PASS][4];
     for (int b = 0; b < BB; b++)
         for (int v = 0; v < 4; v++) acc[b][v] = _mm256_setzero_si256();
     const int pf = prefetch ? si4_prefetch_ahead * BITS / 4 * (IL ? 4 : 1) : 0;
@@ -172,22 +173,73 @@ AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const
         for (int b = 0; b < BB; b++)
             for (int v = 0; v < 4; v++) acc[b][v] = _mm256_add_epi32(acc[b][v], _mm256_madd_epi16(acc16[b][v], ones));
     }
+}
+
+/* y (8 rows) += D dx acc + M xs, in this order (both kernels: the same numbers per row). */
+AI __m256 flush(__m256 y, __m256 D, __m256 M, float dx, float xs, __m256i acc) {
+    const __m256 t = _mm256_fmadd_ps(M, _mm256_set1_ps(xs), y);
+    return _mm256_fmadd_ps(_mm256_mul_ps(D, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(acc), t);
+}
+
+/* One pass: batch rows b0 .. b0 + BB - 1 over the chunk at `row` of group g, into ybuf. */
+AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS, const int IL,
+             int prefetch, float *ybuf) {
+    __m256i acc[PASS][4];
+    group_sums(m, a, g, row, b0, BB, BITS, IL, prefetch, acc);
     const int qb = g * m->group / QM_QBLOCK, B = a->batch;
     for (int v = 0; v < 4; v++) {
         __m256 D, M;
         factors8(m, g, row + 8 * v, &D, &M);
         for (int b = 0; b < BB; b++) {
             float *y = ybuf + (size_t)(b0 + b) * m->npad + row + 8 * v;
-            const __m256 dx = _mm256_set1_ps(a->dx[(size_t)(b0 + b) * a->dx_stride + qb]);
-            const __m256 t = _mm256_fmadd_ps(M, _mm256_set1_ps(a->xs[(size_t)g * B + b0 + b]), _mm256_loadu_ps(y));
-            _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_mul_ps(D, dx), _mm256_cvtepi32_ps(acc[b][v]), t));
+            _mm256_storeu_ps(y, flush(_mm256_loadu_ps(y), D, M, a->dx[(size_t)(b0 + b) * a->dx_stride + qb],
+                                      a->xs[(size_t)g * B + b0 + b], acc[b][v]));
         }
     }
+}
+
+/* Many rows of x (prefill): chunks of 32 rows outer, every group inner, each pass of two rows
+ * of x summing in registers: the chunk's codes of all groups (K / 2 bytes at 4 bits) stay in
+ * L1/L2 for every pass, and y is written once (the group-outer loop would read and write all
+ * of y once per group). */
+AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
+             const int IL) {
+    const int B = a->batch, G = g1 - g0;
+    __m256 *dm = aligned_alloc(32, sizeof(__m256) * 8 * (size_t)(G > 0 ? G : 1)); /* (group, v, D|M) */
+    if (!dm) return;
+    for (int row = row0; row < row1; row += 32) {
+        for (int g = g0; g < g1; g++)
+            for (int v = 0; v < 4; v++) factors8(m, g, row + 8 * v, &dm[((g - g0) * 4 + v) * 2], &dm[((g - g0) * 4 + v) * 2 + 1]);
+        for (int b0 = 0; b0 < B; b0 += PASS) {
+            const int BB = B - b0 >= 2 ? 2 : 1;
+            __m256 y[PASS][4];
+            for (int b = 0; b < PASS; b++)
+                for (int v = 0; v < 4; v++) y[b][v] = _mm256_setzero_ps();
+            for (int g = g0; g < g1; g++) {
+                if (a->goff[g] == a->goff[g + 1]) continue;
+                __m256i acc[PASS][4];
+                const int qb = g * m->group / QM_QBLOCK;
+                if (BB == 2) group_sums(m, a, g, row, b0, 2, BITS, IL, 0, acc);
+                else group_sums(m, a, g, row, b0, 1, BITS, IL, 0, acc);
+                for (int b = 0; b < BB; b++)
+                    for (int v = 0; v < 4; v++)
+                        y[b][v] = flush(y[b][v], dm[((g - g0) * 4 + v) * 2], dm[((g - g0) * 4 + v) * 2 + 1],
+                                        a->dx[(size_t)(b0 + b) * a->dx_stride + qb], a->xs[(size_t)g * B + b0 + b], acc[b][v]);
+            }
+            for (int b = 0; b < BB; b++)
+                for (int v = 0; v < 4; v++) _mm256_storeu_ps(ybuf + (size_t)(b0 + b) * m->npad + row + 8 * v, y[b][v]);
+        }
+    }
+    free(dm);
 }
 
 AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
               const int IL) {
     const int B = a->batch, cb = 4 * BITS;
+    if (B > SI4_MAX_BATCH) {
+        wide(m, a, row0, row1, g0, g1, ybuf, BITS, IL);
+        return;
+    }
     for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
     for (int g = g0; g < g1; g++) {
         if (a->goff[g] == a->goff[g + 1]) continue; /* nothing kept: nothing read */

@@ -103,7 +103,7 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
         return k;
     }
     int n = 0, kept = 0;
-    int32_t isum[SI4_MAX_BATCH];
+    int32_t isum[QM_MAX_BATCH];
     for (int g = 0; g < n_groups; g++) {
         goff[g] = n;
         for (int b = 0; b < batch; b++) isum[b] = 0;
