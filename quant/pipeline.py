@@ -328,11 +328,12 @@ def _write_calibrated(session: _Session, src: ModelSource, dst: Path, sparsity: 
 
 
 def _calibrate_only(session: _Session, source: ModelSource, text: str | None) -> QuantizeResult:
-    """A 4-bit GGUF + --sparsity, no --type: calibrate it and copy it with the thresholds."""
+    """A quantized GGUF (a type the native kernels read) + --sparsity, no --type: calibrate it
+    and copy it with the thresholds."""
     job = session.job
     if source.storage_type not in INT4_STORAGE:
         raise QuantizeError(
-            f"{source.path} stores {source.storage_type} weights and the sparse engine reads 4-bit ones: pass "
+            f"{source.path} stores {source.storage_type} weights, which the sparse engine does not read: pass "
             f"--type q4_k_m (or q4_0) --allow-requantize to requantize it, or start from the F16/BF16 model."
         )
     if job.out is None or Path(job.out).expanduser().is_dir():

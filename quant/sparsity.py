@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from llmlocal.engine.tokenizer import LlamaCppTokenizer
 
 SPARSE_FORMATS = ("q4_0", "q4_1", "q4_k_m", "q4_k_s")  # --type values the sparse engine can read
-INT4_STORAGE = ("Q4_0", "Q4_1", "Q4_K")  # source weight types calibrated as they are
+# source weight types calibrated as they are: every type the native kernels read in its own bytes
+INT4_STORAGE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 BUILTIN_CALIBRATION_TEXT = "built-in, calibration half"
 GRID_LEVELS = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 ... 0.95
 _GRID_MAX_VALUES = 4096  # longer arrays are not kept by the header reader: drop the grid then

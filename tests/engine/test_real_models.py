@@ -1,0 +1,97 @@
+"""The paged engine on real Q4_K_M files (Qwen2.5-Coder 0.5B / 1.5B Instruct), against llama.cpp.
+
+Slow, and out of the default run: set LLMLOCAL_REAL_MODELS=1 after assembling the models with
+`../shared/models/fetch-real-models.sh` (they live in ~/.cache/llmlocal-dev, or
+$LLMLOCAL_DEV_MODELS):
+
+    LLMLOCAL_REAL_MODELS=1 python -m pytest tests/engine/test_real_models.py -s
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams, TokenEvent
+from llmlocal.engine.backends.llamacpp import open_llama
+
+DIR = Path(os.environ.get("LLMLOCAL_DEV_MODELS", Path.home() / ".cache" / "llmlocal-dev"))
+Q05 = DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+Q15 = DIR / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("LLMLOCAL_REAL_MODELS") != "1", reason="set LLMLOCAL_REAL_MODELS=1 to run"),
+    pytest.mark.skipif(not (Q05.is_file() and Q15.is_file()), reason="run ../shared/models/fetch-real-models.sh"),
+]
+
+
+@pytest.fixture(scope="module")
+def paged15() -> Engine:
+    with Engine.load(Plan(model=str(Q15), backend="paged", n_ctx=2048)) as e:
+        yield e
+
+
+def generate(engine: Engine, prompt: str, max_tokens: int, ignore_eos: bool = False) -> tuple[list[int], str]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    request = Request.chat([{"role": "user", "content": prompt}], params)
+    ids: list[int] = []
+    text = ""
+    for event in engine.generate(request):
+        if isinstance(event, TokenEvent):
+            ids.extend(event.token_ids)
+        elif isinstance(event, DoneEvent):
+            text = event.text
+    return ids, text
+
+
+def test_greedy_decode_agrees_with_llama_cpp_teacher_forced(paged15: Engine) -> None:
+    """Our greedy tokens, decoded by the native kernels over 256 steps, are llama.cpp's top-1
+    on the same context (teacher-forced: llama.cpp scores our text), or within a near tie."""
+    request = Request.chat([{"role": "user", "content": "Explain how a hash map works, with an example in C."}],
+                           SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+    prompt = paged15.prompt_ids(request)
+    got, _ = generate(paged15, "Explain how a hash map works, with an example in C.", 256, ignore_eos=True)
+    assert len(got) == 256
+    llm = open_llama(model_path=str(Q15), n_ctx=1024, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(prompt + got)
+    logits = np.array(llm.scores[: len(prompt) + len(got)], dtype=np.float64)[len(prompt) - 1 : -1]  # row i predicts got[i]
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    margin = logp.max(-1) - logp[np.arange(len(got)), got]
+    agree = float(np.mean(margin == 0))
+    print(f"\n1.5B: llama.cpp's top-1 on {agree:.1%} of our 256 greedy tokens, largest margin {margin.max():.3f}")
+    assert agree >= 0.95
+    assert np.mean(margin < 0.1) >= 0.99
+
+
+@pytest.mark.parametrize(
+    "prompt, check",
+    [
+        ("Write a Python function `add(a, b)` that returns the sum of a and b. Reply with only the code.",
+         "assert add(2, 3) == 5 and add(-1, 1) == 0"),
+        ("Write a Python function `is_prime(n)` that returns True when n is a prime number. Reply with only the code.",
+         "assert [n for n in range(20) if is_prime(n)] == [2, 3, 5, 7, 11, 13, 17, 19]"),
+        ("Write a Python function `reverse_words(s)` that reverses the order of the words in a sentence. "
+         "Reply with only the code.", "assert reverse_words('a b c') == 'c b a'"),
+    ],
+)
+def test_generated_code_runs(paged15: Engine, prompt: str, check: str) -> None:
+    _, text = generate(paged15, prompt, 200)
+    blocks = re.findall(r"```(?:python)?\n(.*?)```", text, re.S)
+    code = blocks[0] if blocks else text
+    scope: dict[str, object] = {}
+    exec(code, scope)  # the model's own code, run as a user would  # noqa: S102
+    exec(check, scope)  # noqa: S102
+
+
+def test_draft_pair_gives_the_targets_greedy_tokens() -> None:
+    """The 0.5B drafting for the 1.5B: the same greedy tokens as the 1.5B alone."""
+    prompt = "Write a Python function that merges two sorted lists."
+    with Engine.load(Plan(model=str(Q15), backend="paged", n_ctx=1024)) as e:
+        alone, _ = generate(e, prompt, 64)
+    with Engine.load(Plan(model=str(Q15), backend="paged", n_ctx=1024, draft=str(Q05), draft_k=3)) as e:
+        drafted, _ = generate(e, prompt, 64)
+    assert drafted == alone
