@@ -209,7 +209,10 @@ def decode(raw: np.ndarray, qtype: int) -> QuantCodes:
 @dataclass(frozen=True)
 class PackedQuant:
     """The kernels' arrays: codes (K, colstride) uint8, d / m (K // dgroup, npad) uint16 (fp16),
-    sc / mn (K // group, npad) uint8; m, sc, mn None where the type has none."""
+    sc (K // group, npad) uint8 (Q6_K: int8 scales; Q4_K / Q5_K: the low 4 bits of the 6-bit
+    scale and, above them, of the min), mn (K // 256, npad) uint32 (Q4_K / Q5_K: the top 2 bits
+    of sub-block j's scale at bit 4j, of its min at 4j + 2); m, sc, mn None where the type has
+    none. Every type reads the file's own bytes per weight, no more."""
 
     qtype: int
     n: int
@@ -286,8 +289,14 @@ def pack(c: QuantCodes, interleaved: bool = False) -> PackedQuant:
         out[:, :n] = a.T
         return out
 
+    sc, mn = c.sc, c.mn
+    if mn is not None:  # K-quants: 6-bit (sc, mn) as the file keeps them, 12 bytes per super-block row
+        assert sc is not None
+        sc = ((sc & 15) | ((mn & 15) << 4)).astype(np.uint8)  # (N, G): low 4 bits of each
+        top = ((c.sc >> 4).astype(np.uint32) | ((c.mn >> 4).astype(np.uint32) << 2)).reshape(n, -1, 8)  # (N, S, 8)
+        mn = np.bitwise_or.reduce(top << (4 * np.arange(8, dtype=np.uint32)), axis=-1).astype(np.uint32)  # (N, S)
     return PackedQuant(c.qtype, n, k, codes, cols(c.d, np.uint16), cols(c.m, np.uint16),  # type: ignore[arg-type]
-                       cols(c.sc, np.uint8), cols(c.mn, np.uint8), interleaved)
+                       cols(sc, np.uint8), cols(mn, np.uint32), interleaved)
 
 
 def quantize_activations(x: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

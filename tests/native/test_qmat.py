@@ -121,3 +121,13 @@ def test_qmatrix_refuses_wrong_arrays() -> None:
         kernels().QMatrix(99, p.codes, p.d, p.m, p.sc, p.mn, 32, 256)
     with pytest.raises(ValueError, match="holds"):
         kernels().QMatrix(ql.Q4_K, p.codes[:10], p.d, p.m, p.sc, p.mn, 32, 256)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["columns", "quads"])
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_packed_matrix_holds_the_files_bytes(qtype: int, interleaved: bool) -> None:
+    """A decode step reads no more than the file holds: the packed arrays of a tensor whose row
+    count is a multiple of 32 (no padding) take exactly its GGUF bytes."""
+    raw = gguf_blocks(qtype, 64, 512)
+    p = ql.pack(ql.decode(raw, qtype), interleaved)
+    assert p.nbytes == raw.nbytes

@@ -471,7 +471,7 @@ static PyObject *QMatrix_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         get_ptr(d, &self->qd, 0, nd * 2, 'H', &pd, "d") < 0 ||
         (f->has_m && get_ptr(m, &self->qm, 0, nd * 2, 'H', &pm, "m") < 0) ||
         (f->has_sc && get_ptr(sc, &self->qsc, 0, ng, 0, &psc, "sc") < 0) ||
-        (f->has_mn && get_ptr(mn, &self->qmn, 0, ng, 0, &pmn, "mn") < 0)) {
+        (f->has_mn && get_ptr(mn, &self->qmn, 0, nd * 4, 0, &pmn, "mn") < 0)) {
         Py_DECREF(self);
         return NULL;
     }

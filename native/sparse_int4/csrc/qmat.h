@@ -12,8 +12,8 @@
  *   Q5_0   5    32     group      -         -    -    16       22
  *   Q5_1   5    32     group      group     -    -    0        24
  *   Q8_0   8    32     group      -         -    -    0 (q is signed int8)   34
- *   Q4_K   4    32     256        256       u8   u8   0        18.5 (file 18: its 6-bit sc / mn take a byte each here)
- *   Q5_K   5    32     256        256       u8   u8   0        22.5 (file 22)
+ *   Q4_K   4    32     256        256       6-bit sc, mn      0        18
+ *   Q5_K   5    32     256        256       6-bit sc, mn      0        22
  *   Q6_K   6    16     256        -         i8   -    32       26.25
  *
  * Codes: column j is one run of colstride = npad * bits / 8 bytes (npad = N rounded up to
@@ -44,8 +44,11 @@ typedef struct {
     const uint8_t *codes;  /* (K, colstride) */
     const uint16_t *d;     /* (K / dgroup, npad) fp16 */
     const uint16_t *m;     /* (K / dgroup, npad) fp16, or NULL: Q4_1 / Q5_1 min, K-quant dmin */
-    const uint8_t *sc;     /* (K / group, npad), or NULL: K-quant sub-block scales (int8 for Q6_K) */
-    const uint8_t *mn;     /* (K / group, npad), or NULL: K-quant sub-block mins */
+    const uint8_t *sc;     /* (K / group, npad), or NULL: Q6_K's int8 sub-block scales; Q4_K / Q5_K's
+                            * low 4 bits of the 6-bit scale (low nibble) and min (high nibble) */
+    const uint32_t *mn;    /* (K / 256, npad), or NULL: Q4_K / Q5_K's top 2 bits of sub-block j's
+                            * scale at bits 4j, of its min at bits 4j + 2 (12 bytes per super-block
+                            * and row in all, as in the file) */
     int type, bits, group, dgroup, off, sc_signed;
     int interleaved; /* codes in quads of columns (dense only; see qlayout.py) */
     int n, npad, k;
@@ -125,9 +128,17 @@ static inline float qm_f16(uint16_t h) {
 static inline void qm_factors(const qm_matrix *m, int g, int n, float *D, float *M) {
     const size_t dg = (size_t)g * m->group / m->dgroup, at = (size_t)g * m->npad + n;
     float d = qm_f16(m->d[dg * m->npad + n]);
-    if (m->sc) d *= m->sc_signed ? (float)(int8_t)m->sc[at] : (float)m->sc[at];
+    int sc = 0, mn = 0;
+    if (m->mn) { /* 6-bit scale and min of sub-block g % 8 */
+        const uint32_t hi = m->mn[dg * m->npad + n] >> (4 * (g % 8));
+        sc = (m->sc[at] & 15) | (int)(hi & 3) << 4;
+        mn = (m->sc[at] >> 4) | (int)((hi >> 2) & 3) << 4;
+    } else if (m->sc) {
+        sc = m->sc_signed ? (int8_t)m->sc[at] : m->sc[at];
+    }
+    if (m->sc) d *= (float)sc;
     *D = d;
-    if (m->mn) *M = -(qm_f16(m->m[dg * m->npad + n]) * (float)m->mn[at]);
+    if (m->mn) *M = -(qm_f16(m->m[dg * m->npad + n]) * (float)mn);
     else if (m->m) *M = qm_f16(m->m[dg * m->npad + n]);
     else *M = (float)-m->off * d;
 }

@@ -107,20 +107,26 @@ AI void load_quad_il(const uint8_t *p, const int BITS, __m256i W[4]) {
 AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
     const size_t dg = (size_t)g * m->group / m->dgroup, at = (size_t)g * m->npad + n;
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + dg * m->npad + n)));
+    if (m->mn) { /* Q4_K / Q5_K: 6-bit scale and min of sub-block g % 8 from 4 + 2 bits */
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m->sc + at)));
+        const __m256i hi = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + dg * m->npad + n)), 4 * (g % 8));
+        const __m256i three = _mm256_set1_epi32(3), fifteen = _mm256_set1_epi32(15);
+        const __m256i sc = _mm256_or_si256(_mm256_and_si256(lo, fifteen), _mm256_slli_epi32(_mm256_and_si256(hi, three), 4));
+        const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2), three), 4));
+        d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        *D = d;
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dg * m->npad + n)));
+        *M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
+        return;
+    }
     if (m->sc) {
         const __m128i s = _mm_loadl_epi64((const __m128i *)(m->sc + at));
         d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(m->sc_signed ? _mm256_cvtepi8_epi32(s) : _mm256_cvtepu8_epi32(s)));
     }
     *D = d;
-    if (m->mn) {
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dg * m->npad + n)));
-        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m->mn + at))));
-        *M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
-    } else if (m->m) {
-        *M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dg * m->npad + n)));
-    } else {
-        *M = _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
-    }
+    if (m->m) *M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dg * m->npad + n)));
+    else *M = _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
 }
 
 /* Quads whose vpmaddubsw sums int16 lanes can add before they overflow: a lane holds two
