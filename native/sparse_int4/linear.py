@@ -132,12 +132,7 @@ class SparseInt4Linear:
         import torch
 
         k, n, npad = self.in_features, self.out_features, self.packed.npad
-        if not dense:
-            keep = x.abs() > t
-            self.rows_kept = int(keep.sum())
-            x = x * keep
-        else:
-            self.rows_kept = x.shape[0] * k
+        x, self.rows_kept = _thresholded(x, t, dense)
         tile = max(32, min(npad, MATMUL_TILE_BYTES // (4 * k) // 32 * 32))
         buf = getattr(_scratch, "buf", None)
         if buf is None or buf.numel() < k * tile:
@@ -257,12 +252,7 @@ class QuantLinear:
         import torch
 
         k = self.in_features
-        if not dense:
-            keep = x.abs() > t
-            self.rows_kept = int(keep.sum())
-            x = x * keep
-        else:
-            self.rows_kept = x.shape[0] * k
+        x, self.rows_kept = _thresholded(x, t, dense)
         x = quantize_dequantize(x)
         buf = getattr(_scratch, "buf", None)
         for m, r0, p in zip(self.matrices, self.row0, self.packed):
@@ -276,6 +266,14 @@ class QuantLinear:
                 c = min(p.n, b)
                 out[:, r0 + a : r0 + c] = x @ w[:, : c - a]
         self.kept_columns = self.columns_read = k
+
+
+def _thresholded(x: Any, t: float, dense: bool) -> tuple[Any, int]:
+    """(x with |x| <= t zeroed, the inputs kept) for a (B, K) tensor; dense keeps them all."""
+    if dense:
+        return x, x.numel()
+    keep = x.abs() > t
+    return x * keep, int(keep.sum())
 
 
 def quantize_dequantize(x: Any) -> Any:

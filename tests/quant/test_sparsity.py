@@ -189,14 +189,20 @@ def test_unsupported_architecture(cli: Cli, make_gguf: Callable[..., Path], tmp_
     assert not (tmp_path / "o.gguf").exists()
 
 
-def test_calibration_only_needs_4_bit_weights(cli: Cli, random_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+def test_calibration_keeps_any_type_the_kernels_read(cli: Cli, random_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """A Q8_0 file is calibrated as it is (the native kernels read Q8_0 in its own bytes: its
+    tensors are copied, thresholds added); asking to requantize it as well is refused."""
     q8 = tmp_path / "q8.gguf"
     quantize(QuantizeJob(src=str(random_checkpoint()), out=str(q8), type="q8_0", evaluate=False))
-    code, _, err = cli("quantize", str(q8), "--sparsity", "0.5", "-o", str(tmp_path / "o.gguf"))
-    assert_one_sentence_error(code, err, "Q8_0", "--allow-requantize")
     code, _, err = cli("quantize", str(q8), "--sparsity", "0.5", "--type", "q4_0", "-o", str(tmp_path / "o.gguf"))
     assert_one_sentence_error(code, err, "already quantized", "drop --type")
     assert leftovers(tmp_path) == [] and not (tmp_path / "o.gguf").exists()
+    code, _, err = cli("quantize", str(q8), "--sparsity", "0.5", "--no-eval", "-o", str(tmp_path / "o.gguf"))
+    assert code == 0, err
+    calibrated = read_gguf_header(tmp_path / "o.gguf")
+    source = read_gguf_header(q8)
+    assert [(t.name, t.ggml_type) for t in calibrated.tensors] == [(t.name, t.ggml_type) for t in source.tensors]
+    assert any(key.startswith("llmlocal.sparsity.") for key in calibrated.metadata)
 
 
 def test_missing_calibration_file(cli: Cli, tmp_path: Path, starter_path: str) -> None:

@@ -260,17 +260,23 @@ AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0,
     }
 }
 
-void qm_kernel_avx2(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf) {
-    switch (m->bits * 2 + !!m->interleaved) {
-    case 8: kernel(m, a, row0, row1, g0, g1, ybuf, 4, 0); break;
-    case 9: kernel(m, a, row0, row1, g0, g1, ybuf, 4, 1); break;
-    case 10: kernel(m, a, row0, row1, g0, g1, ybuf, 5, 0); break;
-    case 11: kernel(m, a, row0, row1, g0, g1, ybuf, 5, 1); break;
-    case 12: kernel(m, a, row0, row1, g0, g1, ybuf, 6, 0); break;
-    case 13: kernel(m, a, row0, row1, g0, g1, ybuf, 6, 1); break;
-    case 16: kernel(m, a, row0, row1, g0, g1, ybuf, 8, 0); break;
-    default: kernel(m, a, row0, row1, g0, g1, ybuf, 8, 1); break;
+/* CALL(BITS, IL) with m's bit width and layout as compile-time constants. */
+#define BY_FORMAT(m, CALL)                                                                    \
+    switch ((m)->bits * 2 + !!(m)->interleaved) {                                             \
+    case 8: CALL(4, 0); break;                                                                \
+    case 9: CALL(4, 1); break;                                                                \
+    case 10: CALL(5, 0); break;                                                               \
+    case 11: CALL(5, 1); break;                                                               \
+    case 12: CALL(6, 0); break;                                                               \
+    case 13: CALL(6, 1); break;                                                               \
+    case 16: CALL(8, 0); break;                                                               \
+    default: CALL(8, 1); break;                                                               \
     }
+
+void qm_kernel_avx2(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf) {
+#define KERNEL(BITS, IL) kernel(m, a, row0, row1, g0, g1, ybuf, BITS, IL)
+    BY_FORMAT(m, KERNEL)
+#undef KERNEL
 }
 
 /* Columns [j0, j1), rows [row0, row1) of W as float32, transposed (qmat.h), a quad of columns
@@ -306,16 +312,9 @@ AI void dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *o
 }
 
 void qm_dequant_avx2(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride) {
-    switch (m->bits * 2 + !!m->interleaved) {
-    case 8: dequant(m, j0, j1, row0, row1, out, out_stride, 4, 0); break;
-    case 9: dequant(m, j0, j1, row0, row1, out, out_stride, 4, 1); break;
-    case 10: dequant(m, j0, j1, row0, row1, out, out_stride, 5, 0); break;
-    case 11: dequant(m, j0, j1, row0, row1, out, out_stride, 5, 1); break;
-    case 12: dequant(m, j0, j1, row0, row1, out, out_stride, 6, 0); break;
-    case 13: dequant(m, j0, j1, row0, row1, out, out_stride, 6, 1); break;
-    case 16: dequant(m, j0, j1, row0, row1, out, out_stride, 8, 0); break;
-    default: dequant(m, j0, j1, row0, row1, out, out_stride, 8, 1); break;
-    }
+#define DEQUANT(BITS, IL) dequant(m, j0, j1, row0, row1, out, out_stride, BITS, IL)
+    BY_FORMAT(m, DEQUANT)
+#undef DEQUANT
 }
 
 /* qm_dense_prepare (qmat_scalar.c) eight inputs at a time: the same float operations
