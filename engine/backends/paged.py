@@ -29,7 +29,7 @@ from ..block_manager import BlockManager
 from ..detokenize import TextStream
 from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter, Proposal
 from ..model.llama import LlamaModel
-from ..model.fast_decode import FastDecode, default_activations, native_int4, native_quant
+from ..model.fast_decode import FastDecode, native_int4, native_quant
 from ..model.loader import load_gguf, load_hf
 from ..model_runner import ModelRunner, StepItem
 from ..plan import Plan, paged_kv_dtype
@@ -72,7 +72,7 @@ def _load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, 
     if draft.spec.format != "gguf":
         return load_hf(draft.path, device, dtype, "auto", max_position=n_ctx)
     return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx, int4=native_int4(device, dtype),
-                     quant=native_quant(device, dtype, activations=default_activations(draft.spec)))
+                     quant=native_quant(device, dtype, draft.spec))
 
 
 class _EngineFailure:
@@ -178,7 +178,7 @@ class PagedBackend:
         """The target model's network (a subclass may build its layers differently)."""
         if model.spec.format == "gguf":
             int4 = native_int4(device, dtype) if plan.weights in ("auto", "int4") else None
-            quant = native_quant(device, dtype, activations=default_activations(model.spec)) if plan.weights == "auto" else None
+            quant = native_quant(device, dtype, model.spec) if plan.weights == "auto" else None
             return load_gguf(model.spec, device, dtype, plan.weights, max_position=n_ctx, int4=int4, quant=quant)
         return load_hf(model.path, device, dtype, plan.weights, max_position=n_ctx)
 

@@ -29,7 +29,7 @@ from llmlocal.native import sparse_int4
 from ..drafter import Drafter
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf
-from ..model.fast_decode import FastDecode, default_activations, native_quant
+from ..model.fast_decode import FastDecode, native_quant
 from ..model.sparse_linear import SparseInt4Projection, SparseProjection, ThresholdedLinear
 from ..model.sparsity import projection_modules
 from ..plan import Plan
@@ -70,7 +70,7 @@ class SparseBackend(PagedBackend):
     @classmethod
     def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
         net = load_gguf(model.spec, device, dtype, "auto", max_position=n_ctx, int4=SparseInt4Projection,
-                        quant=native_quant(device, dtype, sparse=True, activations=default_activations(model.spec)))
+                        quant=native_quant(device, dtype, model.spec, sparse=True))
         for layer in net.layers:
             for attr in ("qkv", "o_proj", "gate_up", "down"):
                 inner = getattr(layer, attr)

@@ -49,18 +49,17 @@ def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Proj
     return SparseInt4Projection
 
 
-def native_quant(
-    device: torch.device, dtype: torch.dtype, sparse: bool = False, activations: str | None = None
-) -> QuantFactory | None:
-    """The layer for GGUF quantized projections on this device: the int8-activation kernels
-    reading each tensor in its own bytes (every type of `qlayout.FORMATS`), on the CPU in fp32;
-    None elsewhere. Dense models store columns in quads (faster); ``sparse`` keeps each column
-    its own run, so that the kernels skip the columns of zeroed inputs. With ``activations="fp32"`` (or LLMLOCAL_NATIVE_ACTIVATIONS=fp32, which overrides), the
-    4-bit types keep the INT4 kernels with fp32 activations (closer to an exact reference,
-    slower: see README), and only the others take the int8 path."""
+def native_quant(device: torch.device, dtype: torch.dtype, spec: ModelSpec, sparse: bool = False) -> QuantFactory | None:
+    """The layer for the GGUF quantized projections of ``spec``'s file on this device: the
+    int8-activation kernels reading each tensor in its own bytes (every type of
+    `qlayout.FORMATS`), on the CPU in fp32; None elsewhere. Dense models store columns in quads
+    (faster); ``sparse`` keeps each column its own run, so that the kernels skip the columns of
+    zeroed inputs. Activations as `default_activations` chooses for the file, or as
+    LLMLOCAL_NATIVE_ACTIVATIONS=int8|fp32 says: with fp32 the 4-bit types keep the INT4 kernels
+    (closer to an exact reference, slower: see README), and only the others take the int8 path."""
     if native_int4(device, dtype) is None:
         return None
-    mode = (os.environ.get("LLMLOCAL_NATIVE_ACTIVATIONS") or activations or "int8").strip().lower()
+    mode = (os.environ.get("LLMLOCAL_NATIVE_ACTIVATIONS") or default_activations(spec)).strip().lower()
     if mode not in ("int8", "fp32"):
         raise LLMLocalError(f"LLMLOCAL_NATIVE_ACTIVATIONS must be int8 or fp32, not {mode!r}.")
 
@@ -76,8 +75,8 @@ def default_activations(spec: ModelSpec) -> str:
     """fp32 for a file whose projections are all 4-bit (Q4_0, Q4_1, Q4_K: the INT4 kernels take
     fp32 activations, and every path - prefill GEMM, batched and single decode - computes the
     same numbers to float rounding, so greedy output does not depend on batching or the prefix
-    cache); int8 for a mix with other types (Q4_K_M files), where it is 2-3x faster than the
-    torch layers those types would otherwise need. Rounding activations makes the paths differ
+    cache); int8 for a mix with other types (Q4_K_M files), whose other types have no fp32
+    kernel (they would otherwise run as torch layers, 4x slower on the 1.5B). Rounding activations makes the paths differ
     by more than float rounding: greedy output may then change with batching."""
     types = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
     return "fp32" if types and types <= INT4_TYPES else "int8"
