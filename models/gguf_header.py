@@ -179,9 +179,30 @@ def _tensor_bytes(shape: tuple[int, ...], ggml_type: int, name: str, path: str) 
     return n // block_size * type_size
 
 
+_PARSED: dict[tuple[str, int, int], GGUFHeader] = {}  # (path, size, mtime) -> header, the last few
+
+
 def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
-    """Parse the header of the GGUF file at ``path``; check that all tensor data is present."""
+    """Parse the header of the GGUF file at ``path``; check that all tensor data is present.
+    A file parsed before and unchanged since (same size and mtime) is not parsed again: a
+    vocabulary of 150k tokens takes a second in Python, and a load reads the header twice."""
     path = os.fspath(path)
+    try:
+        st = os.stat(path)
+        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    except OSError:
+        key = None
+    if key is not None and key in _PARSED:
+        return _PARSED[key]
+    header = _read(path)
+    if key is not None:
+        if len(_PARSED) >= 4:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[key] = header
+    return header
+
+
+def _read(path: str) -> GGUFHeader:
     try:
         f = open(path, "rb")
     except FileNotFoundError:

@@ -179,11 +179,7 @@ class FastDecode:
         ):
             return self._generic(input_ids, positions, kv_caches, meta)
         model = self.model
-        if model.embed_int8 is not None:
-            q = model.embed_int8
-            h = q.qweight[input_ids].float() * q.scale[input_ids, None].float()
-        else:
-            h = model.embed[input_ids].clone()  # type: ignore[index]
+        h = model.embed_tokens(input_ids).contiguous()  # (B, d) float32, overwritten in place
         slots = meta.decode_slots  # (B, L), row b's first lens[b] valid
         assert meta.context_lens is not None
         lens = meta.context_lens.to(torch.int64)

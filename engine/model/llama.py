@@ -18,6 +18,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .gguf_tensors import QuantEmbedding
 from .linear import Int8Linear, Linear
 
 
@@ -106,7 +107,7 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
-        embed: torch.Tensor,  # (vocab, d)
+        embed: torch.Tensor | QuantEmbedding,  # (vocab, d), or rows read from the file
         layers: list[DecoderLayer],
         norm: RMSNorm,
         lm_head: Linear | None,  # None: tied to the embedding
@@ -115,19 +116,24 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self._dtype, self._device = embed.dtype, embed.device
+        quant = isinstance(embed, QuantEmbedding)
+        if quant and lm_head is None:
+            raise ValueError("an embedding read from the file needs its own output head")
+        self._dtype, self._device = (torch.float32, torch.device("cpu")) if quant else (embed.dtype, embed.device)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
-        self.rotary = Rotary(inv_freq.to(embed.device), max_position).to(embed.device)
-        self.embed: torch.Tensor | None = nn.Parameter(embed, requires_grad=False)
+        self.rotary = Rotary(inv_freq.to(self._device), max_position).to(self._device)
+        self.embed: torch.Tensor | None = None if quant else nn.Parameter(embed, requires_grad=False)
+        self.embed_quant: QuantEmbedding | None = embed if quant else None
         self.embed_int8: Int8Linear | None = None
 
     def quantize_tied_head(self) -> None:
-        """Store a tied embedding as per-row INT8, shared by the token lookup and the output
-        head: the head reads a quarter of the fp32 bytes per token (on the starter model the
-        fp32 head alone is 113 MB a token), and a looked-up row is dequantized on the fly."""
-        if self.lm_head is not None or self.embed is None:
+        """Store a tied embedding as per-row INT8, for the token lookup and (without a head of
+        its own) the output head: the head reads a quarter of the fp32 bytes per token (on the
+        starter model the fp32 head alone is 113 MB a token), and a looked-up row is dequantized
+        on the fly."""
+        if self.embed is None:
             return
         self.embed_int8 = Int8Linear(self.embed.data.float())
         self.embed = None
@@ -148,15 +154,20 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """(N, d) final hidden states (normalized)."""
-        if self.embed_int8 is not None:
-            q = self.embed_int8  # (vocab, d) int8 rows, (vocab,) scales
-            h = F.embedding(input_ids, q.qweight).to(self._dtype) * q.scale[input_ids, None].to(self._dtype)  # (N, d)
-        else:
-            h = F.embedding(input_ids, self.embed)  # (N, d)
+        h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions)
         for layer, kv in zip(self.layers, kv_caches):
             h = layer(h, rope, kv, meta)
         return self.norm(h)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(N,) token ids -> (N, d) rows of the embedding, in a new tensor."""
+        if self.embed_quant is not None:
+            return self.embed_quant(input_ids)
+        if self.embed_int8 is not None:
+            q = self.embed_int8  # (vocab, d) int8 rows, (vocab,) scales
+            return F.embedding(input_ids, q.qweight).to(self._dtype) * q.scale[input_ids, None].to(self._dtype)
+        return F.embedding(input_ids, self.embed)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(M, d) hidden -> (M, vocab) float32 logits."""

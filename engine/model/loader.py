@@ -27,7 +27,7 @@ from llmlocal.native.sparse_int4.qlayout import QuantCodes, decode
 
 from .config import config_from_hf, config_from_spec
 
-from .gguf_tensors import INT4_TYPES, GGUFTensors, Int4Codes
+from .gguf_tensors import INT4_TYPES, GGUFTensors, Int4Codes, QuantEmbedding
 from .linear import DenseLinear, Int4Linear, Int8Linear, Linear
 from .llama import DecoderLayer, LlamaModel, RMSNorm
 
@@ -37,9 +37,10 @@ FLOAT_TYPES = frozenset({0, 1, 30})  # ggml F32, F16, BF16
 
 @dataclass
 class _Part:
-    """One projection's weight: exact INT4 codes when the source has them, else floats."""
+    """One projection's weight: exact INT4 codes when the source has them, else floats (each
+    built only when the layer asks for it)."""
 
-    int4: Int4Codes | None
+    int4: Callable[[], Int4Codes] | None
     dense: Callable[[], np.ndarray]  # (N, K) float32, materialized on demand
     bias: np.ndarray | None = None
     quant: Callable[[], QuantCodes] | None = None  # a GGUF type the native kernels read in its own bytes
@@ -82,7 +83,7 @@ def _fuse(
             return layer  # type: ignore[return-value]
     codes: list[Int4Codes] | None = None
     if mode in ("auto", "int4") and all(p.int4 is not None for p in parts):
-        codes = [p.int4 for p in parts if p.int4 is not None]
+        codes = [p.int4() for p in parts if p.int4 is not None]
     elif mode == "int4":
         dense = [p.dense() for p in parts]
         if all(w.shape[1] % 32 == 0 for w in dense):
@@ -146,8 +147,9 @@ def load_gguf(
         fix = (lambda a: permute_qk(a, heads)) if heads and permute else (lambda a: a)
         int4 = None
         if info.ggml_type in INT4_TYPES and info.shape[0] % 32 == 0:
-            c = t.int4(name)
-            int4 = Int4Codes(fix(c.codes), fix(c.scale), fix(c.zero))
+            def int4() -> Int4Codes:
+                c = t.int4(name)
+                return Int4Codes(fix(c.codes), fix(c.scale), fix(c.zero))
         bias_name = name.replace(".weight", ".bias")
         bias = fix(t.float32(bias_name)) if bias_name in t else None
         q = None
@@ -173,24 +175,29 @@ def load_gguf(
             DecoderLayer(cfg, RMSNorm(vec(b + "attn_norm.weight"), cfg.norm_eps), qkv, o,
                          RMSNorm(vec(b + "ffn_norm.weight"), cfg.norm_eps), gate_up, down)
         )
-    embed = torch.from_numpy(t.float32(need("token_embd.weight")).copy()).to(device=device, dtype=dtype)
-    lm_head = None if cfg.tie_embeddings else _fuse([part("output.weight")], weights, dtype, device)
+    head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
+    native_head = None  # the file's own bytes: reads what the file holds, no more
+    if quant is not None and weights == "auto":
+        hp = part(head)
+        native_head = quant([hp.quant()], None) if hp.quant is not None else None
+    if native_head is None and int4 is not None and t.info(head).ggml_type in INT4_TYPES and t.info(head).shape[0] % 32 == 0:
+        native_head = int4(t.int4(head), None)  # exact 4-bit codes: the head reads half of INT8's bytes
+    lm_head = native_head
+    if lm_head is None and not cfg.tie_embeddings:
+        lm_head = _fuse([part("output.weight")], weights, dtype, device)
+    emb_type = t.info(need("token_embd.weight")).ggml_type
+    embed: torch.Tensor | QuantEmbedding
+    if quant is not None and weights == "auto" and emb_type not in FLOAT_TYPES and (native_head is not None or not cfg.tie_embeddings):
+        embed = t.embedding("token_embd.weight")  # rows read from the file as tokens ask for them
+    else:
+        embed = torch.from_numpy(t.float32("token_embd.weight").copy()).to(device=device, dtype=dtype)
     inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
     if "rope_freqs.weight" in t:  # llama3-style scaling, stored as per-frequency divisors
         inv_freq = inv_freq / torch.from_numpy(t.float32("rope_freqs.weight").copy())
     norm = RMSNorm(vec("output_norm.weight"), cfg.norm_eps)
     model = LlamaModel(cfg, embed, layers, norm, lm_head, inv_freq, max_position or cfg.max_position).eval()
-    if weights != "dense" and cfg.tie_embeddings and t.info("token_embd.weight").ggml_type not in FLOAT_TYPES:
+    if model.embed is not None and weights != "dense" and cfg.tie_embeddings and emb_type not in FLOAT_TYPES:
         model.quantize_tied_head()  # a quantized source: INT8 rows lose next to nothing more
-    head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
-    native_head = None
-    if quant is not None and weights == "auto":
-        hp = part(head)
-        native_head = quant([hp.quant()], None) if hp.quant is not None else None
-    if native_head is not None:
-        model.lm_head = native_head  # the file's own bytes: reads what the file holds, no more
-    elif int4 is not None and t.info(head).ggml_type in INT4_TYPES and t.info(head).shape[0] % 32 == 0:
-        model.lm_head = int4(t.int4(head), None)  # exact 4-bit codes: the head reads half of INT8's bytes
     return model
 
 

@@ -237,6 +237,13 @@ class PackedQuant:
         return sum(a.nbytes for a in (self.codes, self.d, self.m, self.sc, self.mn) if a is not None)
 
 
+def _kernels():  # type: ignore[no-untyped-def]
+    """The native module when it is built (it packs the interleaved layout in C), else None."""
+    from . import runtime
+
+    return runtime.kernels() if runtime.built() else None
+
+
 def _chunks(q: np.ndarray, bits: int) -> np.ndarray:
     """(K, nch, 32) codes of each column's chunks -> (K, nch, 4 * bits) bytes (module docstring)."""
     kk, nch, _ = q.shape
@@ -255,16 +262,20 @@ def _chunks(q: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate(planes, axis=-1)
 
 
-def pack(c: QuantCodes, interleaved: bool = False) -> PackedQuant:
+def pack(c: QuantCodes, interleaved: bool = False, native: bool = True) -> PackedQuant:
     """Repack decoded codes into the kernels' column-major arrays; `interleaved` stores the
-    columns in quads (dense use only, see the module docstring)."""
+    columns in quads (dense use only, see the module docstring), in C where the kernels are
+    built (`native`; the numpy below is the reference it is tested against, 5x slower)."""
     f = FORMATS[c.qtype]
     n, k = c.shape
     if k % f.dgroup:
         raise ValueError(f"{f.name} needs rows of a multiple of {f.dgroup} values, not {k}")
     npad = -(-n // CHUNK_ROWS) * CHUNK_ROWS
     codes = _aligned_empty((k, npad * f.bits // 8), np.dtype(np.uint8))
-    for j0 in range(0, k, 256):  # in slabs of columns: bounded temporaries
+    kernels = _kernels() if interleaved and native else None
+    if kernels is not None:
+        kernels.pack_interleaved(np.ascontiguousarray(c.codes), n, k, f.bits, f.group, codes)
+    for j0 in range(0, 0 if kernels is not None else k, 256):  # in slabs of columns: bounded temporaries
         j1 = min(k, j0 + 256)
         q = np.zeros((j1 - j0, npad), dtype=np.uint8)
         q[:, :n] = c.codes[:, j0:j1].T

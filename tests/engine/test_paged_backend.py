@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Iterator
 
+import numpy as np
 import pytest
 
 from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams
@@ -146,11 +147,24 @@ def test_parallel_samples_share_the_prompt_blocks(fp32_engine: Engine) -> None:
 
 def test_sixteen_concurrent_requests_equal_each_alone_with_int4_weights() -> None:
     """The default on the CPU: INT4 projections in the native kernels, one sequence's decode
-    step in one native call, batches through the torch layers: the same greedy tokens."""
+    step in one native call, batches through the torch layers: the same greedy tokens, except
+    where the model is split between two tokens. The starter's output head (its Q8_0 bytes)
+    rounds its input to int8, so a float-rounding difference between the batched and single
+    paths can move a logit by about 0.01: a reply may part from its lone twin only at a token
+    whose two best candidates are that close (a batching bug parts them anywhere)."""
     with Engine.load(Plan(backend="paged", n_ctx=1024, max_batch=16)) as e:
         assert isinstance(e.backend.runner.model.layers[0].qkv, SparseInt4Projection)
         prompts = (PROMPTS * 2)[:16]
         lengths = [8 + 3 * i for i in range(16)]
         alone = [reply(e, p, n).text for p, n in zip(prompts, lengths)]
-        together = replies_together(e, prompts, lengths)
-        assert [d.text for d in together] == alone
+        together = [d.text for d in replies_together(e, prompts, lengths)]
+        differ = [i for i in range(16) if together[i] != alone[i]]
+        assert len(differ) <= 2, differ
+        for i in differ:
+            request = Request.chat([{"role": "user", "content": prompts[i]}], SamplingParams(temperature=0))
+            prompt = e.prompt_ids(request)
+            ids_alone, ids_together = e.tokenize(alone[i], False), e.tokenize(together[i], False)
+            k = next(j for j, (a, b) in enumerate(zip(ids_alone, ids_together)) if a != b)
+            row = e.backend.log_probs(prompt + ids_alone[: k + 1])[len(prompt) + k - 1]
+            top2 = np.sort(row)[-2:]
+            assert top2[1] - top2[0] < 0.05, (i, k, top2)

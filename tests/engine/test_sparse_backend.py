@@ -18,7 +18,8 @@ from llmlocal.engine import Engine, Plan
 from llmlocal.engine.backends.paged import PagedBackend
 from llmlocal.engine.backends.sparse import SparseBackend
 from llmlocal.engine.planner import Pins, plan_model
-from llmlocal.engine.model.fast_decode import FastDecode, native_head
+from llmlocal.engine.model.fast_decode import FastDecode
+from llmlocal.engine.model.llama import LlamaModel
 from llmlocal.engine.model.sparse_linear import SparseInt4Projection
 from llmlocal.engine.model.sparsity import ProjectionHooks, projection_modules, threshold_activations
 from llmlocal.engine.types import DoneEvent, Request, SamplingParams, TokenEvent
@@ -44,14 +45,16 @@ def sparse(sparse_starter: tuple[Path, dict]) -> Engine:
 @pytest.fixture(scope="module")
 def reference(sparse_starter: tuple[Path, dict], sparse: Engine) -> Engine:
     """The same file in the paged engine, fp32, every projection dequantized exactly, with the
-    INT8 embedding rows and the output head (the file's Q8_0 bytes in the native kernels) the
+    embedding rows and the output head (the file's Q8_0 bytes, in the native kernels) the
     sparse backend uses too."""
     with Engine.load(Plan(model=str(sparse_starter[0]), backend="paged", weights="dense", dtype="fp32", n_ctx=1024)) as e:
-        model = e.backend.runner.model
-        model.quantize_tied_head()
-        native_head(model)
-        model.lm_head = sparse.backend.runner.model.lm_head
+        share_embedding_and_head(e.backend.runner.model, sparse.backend.runner.model)
         yield e
+
+
+def share_embedding_and_head(model: LlamaModel, source: LlamaModel) -> None:
+    model.embed, model.embed_int8, model.embed_quant = source.embed, source.embed_int8, source.embed_quant
+    model.lm_head = source.lm_head
 
 
 def test_every_projection_of_the_starter_runs_in_the_kernels(sparse: Engine) -> None:
@@ -199,13 +202,11 @@ def test_generation_at_level_zero_follows_the_dense_model(sparse_starter: tuple[
     with Engine.load(Plan(model=path, backend="sparse", sparsity=0.0, n_ctx=512)) as e:
         prompt = e.prompt_ids(request)
         got = [t for ev in e.generate(request) if isinstance(ev, TokenEvent) for t in ev.token_ids]
-        head = e.backend.runner.model.lm_head  # the file's Q8_0 head in the native kernels
+        source = e.backend.runner.model  # the file's Q8_0 head in the native kernels, its rows
     assert len(got) == 48
     with Engine.load(Plan(model=path, backend="paged", weights="dense", dtype="fp32", n_ctx=512)) as e:
         assert isinstance(e.backend, PagedBackend)
-        e.backend.runner.model.quantize_tied_head()
-        native_head(e.backend.runner.model)
-        e.backend.runner.model.lm_head = head
+        share_embedding_and_head(e.backend.runner.model, source)
         lp = e.backend.log_probs(prompt + got)[len(prompt) - 1 :]  # row i predicts got[i]
     margin = lp.max(-1) - lp[np.arange(len(got)), got]
     print(f"\nlevel 0 greedy vs dense: {np.mean(margin == 0):.0%} top-1, largest margin {margin.max():.3f}")

@@ -131,3 +131,13 @@ def test_packed_matrix_holds_the_files_bytes(qtype: int, interleaved: bool) -> N
     raw = gguf_blocks(qtype, 64, 512)
     p = ql.pack(ql.decode(raw, qtype), interleaved)
     assert p.nbytes == raw.nbytes
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_native_packing_matches_numpy(qtype: int) -> None:
+    """The C packer of the interleaved layout (every load) writes the numpy reference's bytes,
+    padding rows included."""
+    f = ql.FORMATS[qtype]
+    c = ql.decode(gguf_blocks(qtype, 45, 2 * f.block_values), qtype)
+    native, ref = ql.pack(c, interleaved=True), ql.pack(c, interleaved=True, native=False)
+    np.testing.assert_array_equal(native.codes, ref.codes)

@@ -759,7 +759,31 @@ static PyObject *py_to_f16(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+static PyObject *py_pack_interleaved(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *ocodes, *oout;
+    int n, k, bits, group;
+    if (!PyArg_ParseTuple(args, "OiiiiO", &ocodes, &n, &k, &bits, &group, &oout)) return NULL;
+    if (n < 1 || k < 1 || (bits != 4 && bits != 5 && bits != 6 && bits != 8) || group < 4 || group % 4 || k % group)
+        return PyErr_Format(PyExc_ValueError, "pack_interleaved: bad shape (n %d, k %d, bits %d, group %d)", n, k, bits, group);
+    Py_buffer vc, vo;
+    void *pc, *po;
+    if (get_ptr(ocodes, &vc, 0, (size_t)n * k, 0, &pc, "codes") < 0) return NULL;
+    if (get_ptr(oout, &vo, 1, (size_t)k / 4 * ((n + 31) / 32) * 16 * bits, 0, &po, "out") < 0) {
+        release(&vc);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    qm_pack_interleaved(pc, n, k, bits, group, po);
+    Py_END_ALLOW_THREADS
+    release(&vc);
+    release(&vo);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"pack_interleaved", py_pack_interleaved, METH_VARARGS,
+     "pack_interleaved(codes, n, k, bits, group, out): codes (n, k) uint8 into the interleaved QMatrix layout."},
     {"to_f16", (PyCFunction)(void (*)(void))py_to_f16, METH_FASTCALL, "to_f16(x, out): float32 -> fp16 bits."},
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this ISA (scalar, avx2, avx512); at most best_isa()."},
     {"isa", py_isa, METH_NOARGS, "The ISA whose kernels run."},

@@ -100,6 +100,10 @@ void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, in
 qm_dense_prepare_fn qm_dense_prepare_for(int isa);
 extern qm_dense_prepare_fn g_dense_prepare; /* the current ISA's, set with it */
 
+/* Codes (n, k) uint8, row-major, into the interleaved layout (qlayout.pack); out holds
+ * k / 4 * ceil(n / 32) * 16 * bits bytes. */
+void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group, uint8_t *out);
+
 typedef void (*qm_dequant_fn)(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 #ifdef LLMLOCAL_X86_VARIANTS
