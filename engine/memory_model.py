@@ -71,6 +71,8 @@ MIB = 1 << 20
 # ggml type ids (gguf-py's GGMLQuantizationType), kept here so planning imports nothing heavy
 F32, F16, Q4_0, Q4_1, Q8_0, Q2_K, Q4_K, Q6_K, IQ4_NL, BF16 = 0, 1, 2, 3, 8, 10, 12, 14, 20, 30
 INT4_TYPES = frozenset({Q4_0, Q4_1, Q4_K})  # the paged engine keeps these as exact INT4
+# GGUF types the native CPU kernels read in the file's own bytes (native/sparse_int4/qlayout.py)
+NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 values + an fp16 scale
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 LLAMACPP_CTX_PAD = 256  # llama.cpp rounds n_ctx up to a multiple of this
@@ -308,11 +310,18 @@ def _paged_group(parts: list[TensorInfo], mode: str, act_bytes: int) -> int:
     exact_int4 = all(t.ggml_type in INT4_TYPES and t.shape[0] % 32 == 0 for t in parts)
     if mode in ("auto", "int4") and exact_int4:
         return _int4_bytes(n, k)
+    if mode == "auto" and act_bytes == 4 and _native(parts):
+        return sum(t.n_bytes for t in parts)  # the CPU kernels keep the file's bytes
     if mode == "int4" and k % 32 == 0:
         return _int4_bytes(n, k)
     if mode == "int8":
         return n * k + n * act_bytes
     return n * k * act_bytes
+
+
+def _native(parts: list[TensorInfo]) -> bool:
+    """Whether the native CPU kernels take these tensors in their own bytes (fp32 runs on a CPU)."""
+    return all(t.ggml_type in NATIVE_TYPES and t.shape[0] % 32 == 0 for t in parts)
 
 
 @dataclass(frozen=True)
@@ -351,6 +360,10 @@ def _paged_weights(spec: ModelSpec, mode: str, act_bytes: int) -> _PagedWeights:
         tied = "output.weight" not in t
         if not tied:
             body += _paged_group([t["output.weight"]], mode, act_bytes)
+        if emb is not None and mode == "auto" and act_bytes == 4 and _native([emb]):
+            # the CPU path: token rows read from the file's mapped bytes, a tied head packed from them
+            body += emb.n_bytes if tied else 0
+            return _PagedWeights(body, emb.n_bytes, 0, False, largest)
         int8_head = tied and mode != "dense" and emb is not None and emb.ggml_type not in (F32, F16, BF16)
         embed = n_emb + rows * 4 if int8_head else n_emb * act_bytes  # INT8 rows + an fp32 scale per row
         return _PagedWeights(body, embed, n_emb * 4, int8_head, largest)

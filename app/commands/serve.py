@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise LLMLocalError(f"--port must be between 0 and 65535, got {args.port}.")
     api_key = args.api_key or os.environ.get("LLMLOCAL_SERVE_API_KEY") or None
+    if args.backend == "auto" and _batches_here(args.model):
+        # concurrent clients decode together in our engine; llama.cpp serves one at a time
+        args.backend = "paged"
     plan = plan_from_args(args).replace(api_key=None)
     if args.parallel is not None:
         plan = plan.replace(max_batch=args.parallel)
@@ -80,3 +83,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _batches_here(model: str | None) -> bool:
+    """Whether `auto` should serve ``model`` with the paged engine: a GGUF that the engine runs
+    entirely in its native CPU kernels, not calibrated for the sparse backend (which the
+    planner picks itself). (On a CUDA device the planner prefers the paged engine anyway.)"""
+    from llmlocal.engine.planner import runs_natively
+    from llmlocal.models import resolve
+
+    spec = resolve(model).spec
+    return spec.sparsity is None and runs_natively(spec)

@@ -224,7 +224,7 @@ def test_the_serve_command(starter_path: str) -> None:
     )
     try:
         banner = proc.stderr.readline()  # printed once the model is loaded and the port is open
-        assert banner.strip() == f"llmlocal serves smollm2-135m (llamacpp on cpu, 512-token context) at http://127.0.0.1:{port}/v1 — Ctrl+C stops."
+        assert banner.strip() == f"llmlocal serves smollm2-135m (paged on cpu, 512-token context) at http://127.0.0.1:{port}/v1 — Ctrl+C stops."
         status, models = _get(f"http://127.0.0.1:{port}/v1/models")
         assert status == 200 and models["data"][0]["max_model_len"] == 512
         status, out = post(f"http://127.0.0.1:{port}/v1/chat/completions", {"messages": QUESTION, "max_tokens": 3})

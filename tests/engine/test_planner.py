@@ -303,22 +303,27 @@ def test_llamacpp_repacked_weights_count_twice_in_rss_once_in_the_need() -> None
 
 
 def test_paged_fuses_qkv_into_int4_only_when_every_part_is_4_bit() -> None:
+    """On a CPU, a projection whose parts are all 4-bit runs as INT4 (codes and fp32 scales);
+    one with a Q6_K part, the Q6_K head and the Q4_K embedding keep the file's bytes (the
+    native kernels read them as they are, and token rows are read from the mapped file)."""
     spec = llama_8b("Q4_K_M")  # layer 0: attn_v and ffn_down are Q6_K (use_more_bits)
     plan = Plan(backend="paged", device="cpu", n_ctx=512, kv_blocks=32)
     (m,) = estimate(spec, plan)
+    t = {x.name: x.n_bytes for x in spec.tensors}
     d, kv, ffn = 4096, 1024, 14336
     int4 = lambda n, k: n * k // 2 + (k // 32) * n * 4
     layers = sum(
-        (int4(d + 2 * kv, d) if not _more_bits(i, 32) else (d + 2 * kv) * d * 4)  # q|k|v
+        (int4(d + 2 * kv, d) if not _more_bits(i, 32) else sum(t[f"blk.{i}.attn_{p}.weight"] for p in "qkv"))  # q|k|v
         + int4(d, d) + int4(2 * ffn, d)  # o, gate|up
-        + (int4(d, ffn) if not _more_bits(i, 32) else d * ffn * 4)  # down
+        + (int4(d, ffn) if not _more_bits(i, 32) else t[f"blk.{i}.ffn_down.weight"])  # down
         + 2 * d * 4
         for i in range(32)
     )
-    head = 128256 * d * 4  # Q6_K output: dense fp32
-    embed = 128256 * d * 4  # untied: the embedding stays in the run dtype
+    head = t["output.weight"]  # Q6_K, as in the file
+    embed = t["token_embd.weight"]  # untied: rows read from the file's Q4_K bytes
     rope = 512 * 64 * 8
     assert m.weights == layers + d * 4 + head + embed + rope
+    assert _more_bits(0, 32) and t["blk.0.attn_v.weight"] > t["blk.0.attn_k.weight"]  # the Q6_K part is in layer 0
 
 
 def test_partial_offload_moves_bytes_from_cpu_to_gpu() -> None:
