@@ -76,11 +76,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        for key, value in result.items():
-            if isinstance(value, dict):
-                for name, figures in value.items():
-                    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
-                    print(f"{name:>10}: {shown}")
-            else:
-                print(f"{key:>22}: {value:.4g}" if isinstance(value, float) else f"{key:>22}: {value}")
+        print(render(result))
     return 0
+
+
+def render(result: dict) -> str:
+    """The figures of a benchmark as aligned lines: one per backend or group, one per value."""
+    lines = []
+    for key, value in result.items():
+        if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):  # per backend
+            lines += [f"{name:>10}: {_figures(figures)}" for name, figures in value.items()]
+        elif isinstance(value, dict):  # one group of figures (bench spec's larger batch)
+            lines.append(f"{key:>22}: {_figures(value)}")
+        else:
+            lines.append(f"{key:>22}: {value:.4g}" if isinstance(value, float) else f"{key:>22}: {value}")
+    return "\n".join(lines)
+
+
+def _figures(figures: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
