@@ -12,7 +12,9 @@ size of the loaded model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,8 +163,7 @@ def load_gguf(
     def vec(name: str) -> torch.Tensor:
         return torch.from_numpy(t.float32(need(name)).copy()).to(device=device, dtype=torch.float32)
 
-    layers = []
-    for i in range(cfg.n_layers):
+    def layer(i: int) -> DecoderLayer:
         b = f"blk.{i}."
         qkv = _fuse(
             [part(b + "attn_q.weight", cfg.n_heads), part(b + "attn_k.weight", cfg.n_kv_heads), part(b + "attn_v.weight")],
@@ -171,10 +172,14 @@ def load_gguf(
         o = _fuse([part(b + "attn_output.weight")], weights, dtype, device, int4, quant)
         gate_up = _fuse([part(b + "ffn_gate.weight"), part(b + "ffn_up.weight")], weights, dtype, device, int4, quant)
         down = _fuse([part(b + "ffn_down.weight")], weights, dtype, device, int4, quant)
-        layers.append(
-            DecoderLayer(cfg, RMSNorm(vec(b + "attn_norm.weight"), cfg.norm_eps), qkv, o,
-                         RMSNorm(vec(b + "ffn_norm.weight"), cfg.norm_eps), gate_up, down)
-        )
+        return DecoderLayer(cfg, RMSNorm(vec(b + "attn_norm.weight"), cfg.norm_eps), qkv, o,
+                            RMSNorm(vec(b + "ffn_norm.weight"), cfg.norm_eps), gate_up, down)
+
+    if device.type == "cpu":  # independent layers, built by a thread per core (numpy and the C packer release the GIL)
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            layers = list(pool.map(layer, range(cfg.n_layers)))
+    else:
+        layers = [layer(i) for i in range(cfg.n_layers)]
     head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
     native_head = None  # the file's own bytes: reads what the file holds, no more
     if quant is not None and weights == "auto":
