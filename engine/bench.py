@@ -73,7 +73,8 @@ def _kv_value_bytes(engine: Engine) -> float:
 
 
 def bench_decode(
-    model: str | None, backends: list[str], max_tokens: int = 128, n_ctx: int = 2048, rounds: int = 3
+    model: str | None, backends: list[str], max_tokens: int = 128, n_ctx: int = 2048, rounds: int = 3,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Every backend loaded at once, then `rounds` rounds of one request per backend in turn:
     a machine whose memory bandwidth drifts (shared hosts: a third, here) moves all of them
@@ -85,7 +86,7 @@ def bench_decode(
     engines: dict[str, Engine] = {}
     try:
         for name in backends:
-            engines[name] = Engine.load(Plan(model=model, backend=name, n_ctx=n_ctx))
+            engines[name] = Engine.load(Plan(model=model, backend=name, n_ctx=n_ctx, threads=threads))
             _run(engines[name], messages, 8)  # warm up (first-call allocations, caches)
         runs: dict[str, list[Stats]] = {name: [] for name in backends}
         for i in range(rounds):

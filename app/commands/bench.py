@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sparsity", type=float, default=None, metavar="S",
                    help="sparse: activation sparsity to run at (default: the model's calibrated level; "
                         "0.5 to calibrate a model that has none)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="sparse: CPU threads (default: all)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="decode, sparse: CPU threads (default: physical cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
         if args.rounds < 1:
             raise LLMLocalError(f"--rounds must be 1 or more, not {args.rounds}.")
-        result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens, rounds=args.rounds)
+        result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens, rounds=args.rounds, threads=args.threads)
     elif args.scenario == "batch":
         result = bench.bench_batch(args.model, requests=args.requests)
     elif args.scenario == "prefix":

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from llmlocal.models import ModelSpec, ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..block_manager import BlockManager
 from ..detokenize import TextStream
@@ -151,6 +152,8 @@ class PagedBackend:
         n_ctx = plan.n_ctx or spec.context_length
         if device.type == "cpu" and plan.threads:
             torch.set_num_threads(plan.threads)
+            if sparse_int4_runtime.built():  # the native kernels' pool (process-wide, as torch's)
+                sparse_int4_runtime.set_num_threads(plan.threads)
         net = cls._load_net(model, plan, device, dtype, n_ctx)
         tokenizer: Tokenizer = LlamaCppTokenizer(model.path) if spec.format == "gguf" else HFTokenizer(model.path)
         block_size = plan.block_size

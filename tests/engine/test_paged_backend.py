@@ -168,3 +168,16 @@ def test_sixteen_concurrent_requests_equal_each_alone_with_int4_weights() -> Non
             row = e.backend.log_probs(prompt + ids_alone[: k + 1])[len(prompt) + k - 1]
             top2 = np.sort(row)[-2:]
             assert top2[1] - top2[0] < 0.05, (i, k, top2)
+
+
+def test_threads_reach_the_native_kernels() -> None:
+    """--threads N sizes the native kernels' pool too, not only torch's."""
+    from llmlocal.native.sparse_int4 import runtime
+
+    before = runtime.num_threads()
+    try:
+        with Engine.load(Plan(backend="paged", n_ctx=256, threads=1)) as e:
+            assert runtime.num_threads() == 1
+            assert reply(e, "Say hello.", 4).stats.completion_tokens == 4
+    finally:
+        runtime.set_num_threads(before)
