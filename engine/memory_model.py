@@ -59,6 +59,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .native_support import NATIVE_TYPES
 from .plan import paged_kv_dtype
 
 if TYPE_CHECKING:
@@ -71,8 +72,7 @@ MIB = 1 << 20
 # ggml type ids (gguf-py's GGMLQuantizationType), kept here so planning imports nothing heavy
 F32, F16, Q4_0, Q4_1, Q8_0, Q2_K, Q4_K, Q6_K, IQ4_NL, BF16 = 0, 1, 2, 3, 8, 10, 12, 14, 20, 30
 INT4_TYPES = frozenset({Q4_0, Q4_1, Q4_K})  # the paged engine keeps these as exact INT4
-# GGUF types the native CPU kernels read in the file's own bytes (native/sparse_int4/qlayout.py)
-NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 values + an fp16 scale
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 LLAMACPP_CTX_PAD = 256  # llama.cpp rounds n_ctx up to a multiple of this

@@ -50,17 +50,6 @@ CTX_FLOOR = 512
 BLOCK_SIZE = 16
 
 
-def runs_natively(spec: ModelSpec) -> bool:
-    """Whether the paged engine runs this GGUF on a CPU with every projection, the output head
-    and the embedding in the native kernels, in the file's own types (the build has them)."""
-    from .memory_model import NATIVE_TYPES
-
-    if spec.format != "gguf" or spec.architecture not in PAGED_ARCHS or not sparse_int4_runtime.built():
-        return False
-    matrices = [t for t in spec.tensors if len(t.shape) == 2 and t.name.endswith(".weight")]
-    return bool(matrices) and all(t.ggml_type in NATIVE_TYPES for t in matrices)
-
-
 class NothingFitsError(LLMLocalError):
     """No configuration of the model fits the memory budget."""
 

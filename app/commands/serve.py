@@ -89,7 +89,7 @@ def _batches_here(model: str | None) -> bool:
     """Whether `auto` should serve ``model`` with the paged engine: a GGUF that the engine runs
     entirely in its native CPU kernels, not calibrated for the sparse backend (which the
     planner picks itself). (On a CUDA device the planner prefers the paged engine anyway.)"""
-    from llmlocal.engine.planner import runs_natively
+    from llmlocal.engine.native_support import runs_natively
     from llmlocal.models import resolve
 
     spec = resolve(model).spec

@@ -1,0 +1,24 @@
+"""What the paged engine's native CPU path runs: the GGUF types its kernels read in the file's
+own bytes (native/sparse_int4/qlayout.py), and whether a whole file runs there."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmlocal.models import ModelSpec
+
+NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+
+
+def runs_natively(spec: ModelSpec) -> bool:
+    """Whether the paged engine runs this GGUF on a CPU with every projection, the output head
+    and the embedding in the native kernels, in the file's own types (the build has them)."""
+    from llmlocal.native.sparse_int4 import runtime
+
+    from .planner import PAGED_ARCHS
+
+    if spec.format != "gguf" or spec.architecture not in PAGED_ARCHS or not runtime.built():
+        return False
+    matrices = [t for t in spec.tensors if len(t.shape) == 2 and t.name.endswith(".weight")]
+    return bool(matrices) and all(t.ggml_type in NATIVE_TYPES for t in matrices)
