@@ -262,20 +262,11 @@ def _chunks(q: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate(planes, axis=-1)
 
 
-def pack(c: QuantCodes, interleaved: bool = False, native: bool = True) -> PackedQuant:
-    """Repack decoded codes into the kernels' column-major arrays; `interleaved` stores the
-    columns in quads (dense use only, see the module docstring), in C where the kernels are
-    built (`native`; the numpy below is the reference it is tested against, 5x slower)."""
-    f = FORMATS[c.qtype]
+def _pack_codes(c: QuantCodes, f: QFormat, npad: int, interleaved: bool, codes: np.ndarray) -> None:
+    """The codes array of `pack` in numpy (the reference of the C packer for the interleaved
+    layout, and the column layout's only packer)."""
     n, k = c.shape
-    if k % f.dgroup:
-        raise ValueError(f"{f.name} needs rows of a multiple of {f.dgroup} values, not {k}")
-    npad = -(-n // CHUNK_ROWS) * CHUNK_ROWS
-    codes = _aligned_empty((k, npad * f.bits // 8), np.dtype(np.uint8))
-    kernels = _kernels() if interleaved and native else None
-    if kernels is not None:
-        kernels.pack_interleaved(np.ascontiguousarray(c.codes), n, k, f.bits, f.group, codes)
-    for j0 in range(0, 0 if kernels is not None else k, 256):  # in slabs of columns: bounded temporaries
+    for j0 in range(0, k, 256):  # in slabs of columns: bounded temporaries
         j1 = min(k, j0 + 256)
         q = np.zeros((j1 - j0, npad), dtype=np.uint8)
         q[:, :n] = c.codes[:, j0:j1].T
@@ -291,6 +282,23 @@ def pack(c: QuantCodes, interleaved: bool = False, native: bool = True) -> Packe
         qpg = f.group // 4  # tiles (group, chunk) of the group's quads
         tiles = quads.reshape(nq // qpg, qpg, nch, -1).transpose(0, 2, 1, 3)
         codes[j0:j1] = np.ascontiguousarray(tiles).reshape(j1 - j0, -1)
+
+
+def pack(c: QuantCodes, interleaved: bool = False, native: bool = True) -> PackedQuant:
+    """Repack decoded codes into the kernels' column-major arrays; `interleaved` stores the
+    columns in quads (dense use only, see the module docstring), in C where the kernels are
+    built (`native`; the numpy below is the reference it is tested against, 5x slower)."""
+    f = FORMATS[c.qtype]
+    n, k = c.shape
+    if k % f.dgroup:
+        raise ValueError(f"{f.name} needs rows of a multiple of {f.dgroup} values, not {k}")
+    npad = -(-n // CHUNK_ROWS) * CHUNK_ROWS
+    codes = _aligned_empty((k, npad * f.bits // 8), np.dtype(np.uint8))
+    kernels = _kernels() if interleaved and native else None
+    if kernels is not None:
+        kernels.pack_interleaved(np.ascontiguousarray(c.codes), n, k, f.bits, f.group, codes)
+    else:
+        _pack_codes(c, f, npad, interleaved, codes)
 
     def cols(a: np.ndarray | None, dtype: type) -> np.ndarray | None:
         if a is None:
