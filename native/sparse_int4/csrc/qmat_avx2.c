@@ -239,9 +239,148 @@ AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, i
     free(dm);
 }
 
+/* ---------------------------------------------------------------- quads of columns, few rows of x
+ *
+ * The interleaved layout with up to SI4_MAX_BATCH rows of x (decode steps, verification of
+ * drafted tokens, batches): groups outer (the tiles' order in memory, one stream), chunks of 32
+ * rows inner, each chunk in two halves of 16 rows. A half's codes are one 32-byte load per quad
+ * (plus the high-bit plane), unpacked once and multiplied with NB rows of x at a time, so that
+ * the sums of NB rows stay in registers; the factors of a half are computed once for every row
+ * of x. Per row of x the float operations are those of `flush`, in the same order at every
+ * batch size: a row's result does not depend on the rows decoded beside it. */
+
+/* Rows of x per pass over a half: the int16 and int32 sums of NB rows, two code vectors and the
+ * broadcast activations fit the 16 registers (4-bit and 8-bit codes need no int16 stage that
+ * outlives a quad block; 5 and 6 bits sum int16 over 4 and 2 quads before widening). */
+#define NB_FOR(BITS) ((BITS) == 4 || (BITS) == 8 ? 4 : 2)
+
+/* The codes of half h (rows 16 h .. 16 h + 15 of the chunk) of the quad at p: W[0] rows
+ * 16 h + e, W[1] rows 16 h + 8 + e (element e). */
+AI void load_half_il(const uint8_t *p, const int h, const int BITS, __m256i W[2]) {
+    if (BITS == 8) {
+        W[0] = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+        W[1] = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+        return;
+    }
+    const __m256i u = _mm256_loadu_si256((const __m256i *)(p + 32 * h)), f = _mm256_set1_epi8(15);
+    W[0] = _mm256_and_si256(u, f);
+    W[1] = _mm256_and_si256(_mm256_srli_epi16(u, 4), f);
+    if (BITS == 5) {
+        const __m256i hv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 64)));
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int t = 0; t < 2; t++) {
+            const int v = 2 * h + t;
+            const __m256i bit = join(_mm_set1_epi8((char)(1 << (2 * v))), _mm_set1_epi8((char)(1 << (2 * v + 1))));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
+            W[t] = _mm256_or_si256(W[t], _mm256_and_si256(set, sixteen));
+        }
+    } else if (BITS == 6) {
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 64)), m = _mm256_set1_epi8(0x30);
+        if (h == 0) {
+            W[0] = _mm256_or_si256(W[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), m));
+            W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), m));
+        } else {
+            W[0] = _mm256_or_si256(W[0], _mm256_and_si256(hv, m));
+            W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_srli_epi16(hv, 2), m));
+        }
+    }
+}
+
+/* acc[b][t] element e = sum over the group's nq quads (at p, quad stride qbytes) of
+ * q(row 16 h + 8 t + e) * qx, for the BB rows of x at qx[b * qs]. */
+AI void half_sums(const uint8_t *p, size_t qbytes, int nq, const int8_t *qx, size_t qs, const int h, const int BB,
+                  const int BITS, int pf, __m256i acc[4][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+    for (int i0 = 0; i0 < nq; i0 += QUADS_PER_I16(BITS)) {
+        const int i1 = i0 + QUADS_PER_I16(BITS) < nq ? i0 + QUADS_PER_I16(BITS) : nq;
+        __m256i s16[4][2];
+        for (int b = 0; b < BB; b++) s16[b][0] = s16[b][1] = _mm256_setzero_si256();
+        for (int i = i0; i < i1; i++) {
+            const uint8_t *q = p + (size_t)i * qbytes;
+            if (pf) __builtin_prefetch(q + pf, 0, 3);
+            __m256i W[2];
+            load_half_il(q, h, BITS, W);
+            for (int b = 0; b < BB; b++) {
+                int32_t q4;
+                memcpy(&q4, qx + (size_t)b * qs + 4 * i, 4);
+                const __m256i xq = _mm256_set1_epi32(q4);
+                if (BITS == 8) {
+                    const __m256i ax = _mm256_sign_epi8(xq, xq);
+                    for (int t = 0; t < 2; t++)
+                        s16[b][t] = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(W[t], xq));
+                } else {
+                    for (int t = 0; t < 2; t++) s16[b][t] = _mm256_add_epi16(s16[b][t], _mm256_maddubs_epi16(W[t], xq));
+                }
+            }
+        }
+        for (int b = 0; b < BB; b++)
+            for (int t = 0; t < 2; t++) acc[b][t] = _mm256_add_epi32(acc[b][t], _mm256_madd_epi16(s16[b][t], ones));
+    }
+}
+
+/* One pass of BB rows of x (from b0) over half h of a chunk: sums, then flush into y. */
+AI void half_pass(const uint8_t *p, size_t qbytes, int nq, const int8_t *qx, size_t qs, const int h, const int BB,
+                  const int BITS, int pf, const __m256 D[2], const __m256 M[2], const float *dxg, const float *xsg,
+                  float *y, size_t ys) {
+    __m256i acc[4][2];
+    half_sums(p, qbytes, nq, qx, qs, h, BB, BITS, pf, acc);
+    for (int b = 0; b < BB; b++)
+        for (int t = 0; t < 2; t++) {
+            float *yb = y + (size_t)b * ys + 8 * t;
+            _mm256_storeu_ps(yb, flush(_mm256_loadu_ps(yb), D[t], M[t], dxg[b], xsg[b], acc[b][t]));
+        }
+}
+
+AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf,
+                  const int BITS) {
+    const int NB = NB_FOR(BITS);
+    const int B = a->batch, npad = m->npad, nq = m->group / 4;
+    const size_t qbytes = 16 * BITS, chunk_bytes = (size_t)nq * qbytes, qs = a->qx_stride;
+    const int pf0 = si4_prefetch_ahead * BITS / 4 * 4;
+    for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
+    for (int g = g0; g < g1; g++) {
+        const int qb = g * m->group / QM_QBLOCK;
+        float dxg[SI4_MAX_BATCH], xsg[SI4_MAX_BATCH];
+        for (int b = 0; b < B; b++) {
+            dxg[b] = a->dx[(size_t)b * a->dx_stride + qb];
+            xsg[b] = a->xs[(size_t)g * B + b];
+        }
+        const int8_t *qx = a->qx + a->goff[g];
+        const uint8_t *tiles = m->codes + (size_t)g * (npad / 32) * chunk_bytes;
+        for (int row = row0; row < row1; row += 32) {
+            const uint8_t *p = tiles + (size_t)(row / 32) * chunk_bytes;
+            for (int h = 0; h < 2; h++) {
+                __m256 D[2], M[2];
+                for (int t = 0; t < 2; t++) factors8(m, g, row + 16 * h + 8 * t, &D[t], &M[t]);
+                float *y = ybuf + row + 16 * h;
+                for (int b0 = 0; b0 < B; b0 += NB) {
+                    const int pf = h == 0 && b0 == 0 ? pf0 : 0; /* each line once, ahead of the stream */
+                    const int8_t *qb0 = qx + (size_t)b0 * qs;
+                    float *yb0 = y + (size_t)b0 * npad;
+                    switch (B - b0 < NB ? B - b0 : NB) {
+                    case 1: half_pass(p, qbytes, nq, qb0, qs, h, 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad); break;
+                    case 2: half_pass(p, qbytes, nq, qb0, qs, h, 2, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad); break;
+                    case 3: /* only where NB is 4 */
+                        half_pass(p, qbytes, nq, qb0, qs, h, NB > 2 ? 3 : 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad);
+                        break;
+                    default:
+                        half_pass(p, qbytes, nq, qb0, qs, h, NB > 2 ? 4 : 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
 AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
               const int IL) {
     const int B = a->batch, cb = 4 * BITS;
+    if (IL && B <= SI4_MAX_BATCH) {
+        kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS);
+        return;
+    }
     if (B > SI4_MAX_BATCH) {
         wide(m, a, row0, row1, g0, g1, ybuf, BITS, IL);
         return;
