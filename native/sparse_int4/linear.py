@@ -176,10 +176,11 @@ class QuantLinear:
     the GEMV (more in chunks of 8), torch tensors of 48 rows or more (prefill) torch's GEMM on
     the weight dequantized in tiles, on the activations rounded as the GEMV rounds them."""
 
-    # Prefill (48+ rows) as torch's fp32 GEMM on the dequantized weight rather than the int8
-    # kernel in chunks of 64 rows: measured on the 1.5B, a 792-token prompt took 22 s that way
-    # and 27 s through the int8 kernel (llama.cpp: 18 s), whose two-row passes spill registers.
-    prefill_matmul = True
+    # Prefill (48+ rows): the quad-interleaved layout runs it through the int8 kernel, 64 rows
+    # of x a call in blocks of 256 weight rows (csrc/qmat_avx2.c, kernel_il); measured on the
+    # 1.5B, a 329-token prompt took 7.4-7.8 s that way and 9.4-10.5 s as torch's fp32 GEMM on
+    # the dequantized weight. The column layout (sparse files) keeps the GEMM, faster there.
+    prefill_matmul: bool
 
     def __init__(self, parts: list[QuantCodes], interleaved: bool = False) -> None:
         runs: list[list[QuantCodes]] = []
@@ -189,6 +190,7 @@ class QuantLinear:
             else:
                 runs.append([p])
         self.packed: list[PackedQuant] = [pack(QuantCodes.concat(r), interleaved) for r in runs]
+        self.prefill_matmul = not interleaved
         k = {p.k for p in self.packed}
         if len(k) != 1:
             raise ValueError(f"stacked tensors must share their input size, not {sorted(k)}")

@@ -93,23 +93,29 @@ def test_dequantize_kernel_is_exact(qtype: int, interleaved: bool) -> None:
     np.testing.assert_array_equal(out[:, :n].T, c.dequantize())
 
 
-def test_stacked_types_and_prefill_matmul() -> None:
+def test_stacked_types_and_prefill_paths() -> None:
     """A fused projection whose parts differ in type (q, k Q4_K; v Q6_K): one matrix per run of
-    a type, outputs stacked; 8+ rows in chunks, 48+ rows as a GEMM on the dequantized weight."""
+    a type, outputs stacked; 8+ rows in chunks; 48+ rows through the kernel (quads) or as a GEMM
+    on the dequantized weight (columns), both on the activations rounded as the GEMV rounds them."""
     import torch
 
     k = 512
     parts = [ql.decode(gguf_blocks(t, n, k, seed=n), t) for t, n in [(ql.Q4_K, 64), (ql.Q4_K, 32), (ql.Q6_K, 32)]]
-    lin = QuantLinear(parts, interleaved=True)
-    assert lin.qtypes == [ql.Q4_K, ql.Q6_K] and lin.out_features == 128
     w = np.concatenate([p.dequantize() for p in parts])
     x = torch.randn(50, k)
     ref = ql.reference_gemv(ql.QuantCodes.concat(parts[:2]), x[:11].numpy())
     ref = np.concatenate([ref, ql.reference_gemv(parts[2], x[:11].numpy())], axis=1)
-    np.testing.assert_allclose(lin(x[:11].contiguous()).numpy(), ref, atol=2e-5 * np.abs(ref).max())
-    full = lin(x)  # 50 rows: the matmul, on the activations rounded as the GEMV rounds them
-    np.testing.assert_allclose(full[:11].numpy(), ref, atol=2e-5 * np.abs(ref).max())
-    np.testing.assert_allclose(full.numpy(), quantize_dequantize(x).numpy() @ w.T, rtol=1e-4, atol=1e-4 * np.abs(full.numpy()).max())
+    for interleaved in (True, False):
+        lin = QuantLinear(parts, interleaved=interleaved)
+        assert lin.qtypes == [ql.Q4_K, ql.Q6_K] and lin.out_features == 128
+        assert lin.prefill_matmul is not interleaved
+        np.testing.assert_allclose(lin(x[:11].contiguous()).numpy(), ref, atol=2e-5 * np.abs(ref).max())
+        full = lin(x)  # 50 rows
+        np.testing.assert_allclose(full[:11].numpy(), ref, atol=2e-5 * np.abs(ref).max())
+        want = quantize_dequantize(x).numpy() @ w.T
+        np.testing.assert_allclose(full.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        if interleaved:  # the kernel: every row the same numbers as alone
+            np.testing.assert_array_equal(full[3:4].numpy(), lin(x[3:4].contiguous()).numpy())
 
 
 def test_qmatrix_refuses_wrong_arrays() -> None:

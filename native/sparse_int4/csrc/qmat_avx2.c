@@ -338,35 +338,42 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, int 
     const int B = a->batch, npad = m->npad, nq = m->group / 4;
     const size_t qbytes = 16 * BITS, chunk_bytes = (size_t)nq * qbytes, qs = a->qx_stride;
     const int pf0 = si4_prefetch_ahead * BITS / 4 * 4;
-    for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
-    for (int g = g0; g < g1; g++) {
-        const int qb = g * m->group / QM_QBLOCK;
-        float dxg[SI4_MAX_BATCH], xsg[SI4_MAX_BATCH];
-        for (int b = 0; b < B; b++) {
-            dxg[b] = a->dx[(size_t)b * a->dx_stride + qb];
-            xsg[b] = a->xs[(size_t)g * B + b];
-        }
-        const int8_t *qx = a->qx + a->goff[g];
-        const uint8_t *tiles = m->codes + (size_t)g * (npad / 32) * chunk_bytes;
-        for (int row = row0; row < row1; row += 32) {
-            const uint8_t *p = tiles + (size_t)(row / 32) * chunk_bytes;
-            for (int h = 0; h < 2; h++) {
-                __m256 D[2], M[2];
-                for (int t = 0; t < 2; t++) factors8(m, g, row + 16 * h + 8 * t, &D[t], &M[t]);
-                float *y = ybuf + row + 16 * h;
-                for (int b0 = 0; b0 < B; b0 += NB) {
-                    const int pf = h == 0 && b0 == 0 ? pf0 : 0; /* each line once, ahead of the stream */
-                    const int8_t *qb0 = qx + (size_t)b0 * qs;
-                    float *yb0 = y + (size_t)b0 * npad;
-                    switch (B - b0 < NB ? B - b0 : NB) {
-                    case 1: half_pass(p, qbytes, nq, qb0, qs, h, 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad); break;
-                    case 2: half_pass(p, qbytes, nq, qb0, qs, h, 2, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad); break;
-                    case 3: /* only where NB is 4 */
-                        half_pass(p, qbytes, nq, qb0, qs, h, NB > 2 ? 3 : 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad);
-                        break;
-                    default:
-                        half_pass(p, qbytes, nq, qb0, qs, h, NB > 2 ? 4 : 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad);
-                        break;
+    /* Up to 8 rows of x: every group over all the rows (one stream; y of 8 rows stays in L2).
+     * More (prefill): blocks of 256 rows, so that y of every row of x stays in L2 while the
+     * groups go by, and each half's factors serve B / NB passes. */
+    const int rows_per_block = B > SI4_MAX_BATCH ? 256 : row1 - row0;
+    for (int rb0 = row0; rb0 < row1; rb0 += rows_per_block) {
+        const int rb1 = rb0 + rows_per_block < row1 ? rb0 + rows_per_block : row1;
+        for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * npad + rb0, 0, sizeof(float) * (size_t)(rb1 - rb0));
+        for (int g = g0; g < g1; g++) {
+            const int qb = g * m->group / QM_QBLOCK;
+            float dxg[QM_MAX_BATCH], xsg[QM_MAX_BATCH];
+            for (int b = 0; b < B; b++) {
+                dxg[b] = a->dx[(size_t)b * a->dx_stride + qb];
+                xsg[b] = a->xs[(size_t)g * B + b];
+            }
+            const int8_t *qx = a->qx + a->goff[g];
+            const uint8_t *tiles = m->codes + (size_t)g * (npad / 32) * chunk_bytes;
+            for (int row = rb0; row < rb1; row += 32) {
+                const uint8_t *p = tiles + (size_t)(row / 32) * chunk_bytes;
+                for (int h = 0; h < 2; h++) {
+                    __m256 D[2], M[2];
+                    for (int t = 0; t < 2; t++) factors8(m, g, row + 16 * h + 8 * t, &D[t], &M[t]);
+                    float *y = ybuf + row + 16 * h;
+                    for (int b0 = 0; b0 < B; b0 += NB) {
+                        const int pf = h == 0 && b0 == 0 ? pf0 : 0; /* each line once, ahead of the stream */
+                        const int8_t *qb0 = qx + (size_t)b0 * qs;
+                        float *yb0 = y + (size_t)b0 * npad;
+                        switch (B - b0 < NB ? B - b0 : NB) {
+                        case 1: half_pass(p, qbytes, nq, qb0, qs, h, 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad); break;
+                        case 2: half_pass(p, qbytes, nq, qb0, qs, h, 2, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad); break;
+                        case 3: /* only where NB is 4 */
+                            half_pass(p, qbytes, nq, qb0, qs, h, NB > 2 ? 3 : 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad);
+                            break;
+                        default:
+                            half_pass(p, qbytes, nq, qb0, qs, h, NB > 2 ? 4 : 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad);
+                            break;
+                        }
                     }
                 }
             }
@@ -377,7 +384,7 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, int 
 AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
               const int IL) {
     const int B = a->batch, cb = 4 * BITS;
-    if (IL && B <= SI4_MAX_BATCH) {
+    if (IL) {
         kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS);
         return;
     }
