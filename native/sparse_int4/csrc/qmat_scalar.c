@@ -190,36 +190,42 @@ qm_dense_prepare_fn qm_dense_prepare_for(int isa) {
 /* The interleaved layout of qlayout.pack (interleaved=True), from codes (n, k) uint8 in row-major
  * order: tiles (group, 32-row chunk) of the group's quads of columns, each quad's chunk in the
  * bytes load_quad_il reads (byte b of column t's chunk run at 4 b + t; 8-bit codes row r of
- * column t at 4 r + t); rows past n are zero. Chunk-outer, so the 32 rows read stay in cache. */
+ * column t at 4 r + t); rows past n are zero. The four columns of a quad are four adjacent bytes
+ * of a row, and land in four adjacent bytes of the tile: each row's quad is moved as one 32-bit
+ * word (byte t = column t), its nibbles and high bits masked per byte. Chunk-outer, so the 32
+ * rows read stay in cache. */
 void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group, uint8_t *out) {
     const int nch = (n + 31) / 32, qpg = group / 4, qb = 16 * bits, G = k / group;
-    uint8_t col[32];
+    uint32_t R[32], o[32];
     for (int c = 0; c < nch; c++)
         for (int g = 0; g < G; g++)
             for (int qi = 0; qi < qpg; qi++) {
-                uint8_t *o = out + (((size_t)g * nch + c) * qpg + qi) * qb;
-                for (int t = 0; t < 4; t++) {
-                    const int j = g * group + qi * 4 + t;
-                    for (int r = 0; r < 32; r++) col[r] = c * 32 + r < n ? codes[(size_t)(c * 32 + r) * k + j] : 0;
-                    if (bits == 8) {
-                        for (int r = 0; r < 32; r++) o[4 * r + t] = col[r];
-                        continue;
-                    }
-                    /* low nibbles: row 16 h + 8 s + p in byte 8 h + p, nibble s */
-                    for (int b = 0; b < 16; b++)
-                        o[4 * b + t] = (uint8_t)((col[(b / 8) * 16 + b % 8] & 15) | (col[(b / 8) * 16 + 8 + b % 8] & 15) << 4);
-                    if (bits == 5) /* row 8 v + 4 w + p: bit 2 v + w of byte 16 + p */
-                        for (int p = 0; p < 4; p++) {
-                            unsigned v = 0;
-                            for (int r = p; r < 32; r += 4) v |= (unsigned)((col[r] >> 4) & 1) << (2 * (r / 8) + (r % 8) / 4);
-                            o[4 * (16 + p) + t] = (uint8_t)v;
-                        }
-                    else if (bits == 6) /* row 8 c + p: bits 2 c, 2 c + 1 of byte 16 + p */
-                        for (int p = 0; p < 8; p++) {
-                            unsigned v = 0;
-                            for (int cc = 0; cc < 4; cc++) v |= (unsigned)((col[8 * cc + p] >> 4) & 3) << (2 * cc);
-                            o[4 * (16 + p) + t] = (uint8_t)v;
-                        }
+                const size_t j = (size_t)g * group + 4 * qi;
+                for (int r = 0; r < 32; r++) {
+                    R[r] = 0;
+                    if (c * 32 + r < n) memcpy(&R[r], codes + (size_t)(c * 32 + r) * k + j, 4);
                 }
+                if (bits == 8) {
+                    memcpy(out + (((size_t)g * nch + c) * qpg + qi) * qb, R, sizeof R);
+                    continue;
+                }
+                /* low nibbles: row 16 h + 8 s + p in byte 8 h + p, nibble s */
+                for (int b = 0; b < 16; b++) {
+                    const int lo = (b / 8) * 16 + b % 8;
+                    o[b] = (R[lo] & 0x0F0F0F0Fu) | (R[lo + 8] & 0x0F0F0F0Fu) << 4;
+                }
+                if (bits == 5) /* row 8 v + 4 w + p: bit 2 v + w of byte 16 + p */
+                    for (int p = 0; p < 4; p++) {
+                        uint32_t v = 0;
+                        for (int r = p; r < 32; r += 4) v |= ((R[r] >> 4) & 0x01010101u) << (2 * (r / 8) + (r % 8) / 4);
+                        o[16 + p] = v;
+                    }
+                else if (bits == 6) /* row 8 c + p: bits 2 c, 2 c + 1 of byte 16 + p */
+                    for (int p = 0; p < 8; p++) {
+                        uint32_t v = 0;
+                        for (int cc = 0; cc < 4; cc++) v |= ((R[8 * cc + p] >> 4) & 0x03030303u) << (2 * cc);
+                        o[16 + p] = v;
+                    }
+                memcpy(out + (((size_t)g * nch + c) * qpg + qi) * qb, o, (size_t)qb);
             }
 }
