@@ -384,7 +384,10 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, int 
 AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
               const int IL) {
     const int B = a->batch, cb = 4 * BITS;
-    if (IL) {
+    /* 8-bit codes with one or two rows of x: the whole-chunk passes below are faster
+     * (measured: 137 against 190 us for one row of a 2048 x 1536 Q8_0 on one thread); both give
+     * the same numbers per row. */
+    if (IL && (BITS != 8 || B > 2)) {
         kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS);
         return;
     }
