@@ -5,11 +5,12 @@ same file as INT4 weight-only; or, with ``--draft M``, the model as it runs for 
 GGUF types in the native kernels on a CPU) drafted by M. And n-gram prompt lookup on a
 "summarise this pasted text" prompt. Greedy throughout, so every run produces the same tokens as the target
 alone and the speedups compare equal work. Batch 1 (one request) and batch 8 (eight
-concurrent requests, aggregate tokens per second).
+concurrent requests, aggregate tokens per second). The three engines take turns (``--rounds``).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from typing import Any
@@ -74,7 +75,13 @@ def _serve(engine: Engine, prompts: list[str], max_tokens: int) -> dict[str, flo
     }
 
 
-def bench_spec(model: str | None, draft: str | None = None, max_tokens: int = 128, batch: int = 8) -> dict[str, Any]:
+def bench_spec(
+    model: str | None, draft: str | None = None, max_tokens: int = 128, batch: int = 8, rounds: int = 1
+) -> dict[str, Any]:
+    """The three engines (target alone, with the draft model, with n-gram lookup) are loaded
+    together and take turns for ``rounds`` rounds, each round in a rotated order, so that a
+    shared machine's drift hits them alike; each figure is the median over the rounds and the
+    speedups are medians of per-round ratios."""
     # Without --draft: the target at full precision, drafted by a 4-bit copy of itself. With a
     # draft model: the target as it runs for a user (its own weights, native kernels on a CPU).
     if draft:
@@ -84,18 +91,30 @@ def bench_spec(model: str | None, draft: str | None = None, max_tokens: int = 12
     draft = draft or model or "smollm2-135m"
     single = {"plain": [STORY], "ngram": [SUMMARISE]}
     many = {"plain": [f"{STORY} ({i})" for i in range(batch)], "ngram": [f"{SUMMARISE}\n({i})" for i in range(batch)]}
-    figures: dict[str, dict[str, dict[str, float]]] = {}
-    for label, plan in (("base", target), ("draft", target.replace(draft=draft)), ("ngram", target.replace(draft="ngram"))):
-        with Engine.load(plan) as engine:
-            _generate(engine, "Hello", 4)  # warm up
-            kind = "ngram" if label == "ngram" else "plain"
-            runs = {"batch1": _serve(engine, single[kind], max_tokens), f"batch{batch}": _serve(engine, many[kind], max_tokens)}
-            if label == "base":  # the plain target on the n-gram prompts too
-                runs["ngram_batch1"] = _serve(engine, single["ngram"], max_tokens)
-                runs[f"ngram_batch{batch}"] = _serve(engine, many["ngram"], max_tokens)
-            figures[label] = runs
+    plans = {"base": target, "draft": target.replace(draft=draft), "ngram": target.replace(draft="ngram")}
+    labels = list(plans)
+    per_round: list[dict[str, dict[str, dict[str, float]]]] = []
+    engines: dict[str, Engine] = {}
+    try:
+        for label, plan in plans.items():
+            engines[label] = Engine.load(plan)
+            _generate(engines[label], "Hello", 4)  # warm up
+        for r in range(rounds):
+            figures: dict[str, dict[str, dict[str, float]]] = {}
+            for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+                engine = engines[label]
+                kind = "ngram" if label == "ngram" else "plain"
+                runs = {"batch1": _serve(engine, single[kind], max_tokens), f"batch{batch}": _serve(engine, many[kind], max_tokens)}
+                if label == "base":  # the plain target on the n-gram prompts too
+                    runs["ngram_batch1"] = _serve(engine, single["ngram"], max_tokens)
+                    runs[f"ngram_batch{batch}"] = _serve(engine, many["ngram"], max_tokens)
+                figures[label] = runs
+            per_round.append(figures)
+    finally:
+        for engine in engines.values():
+            engine.close()
 
-    def row(size: str) -> dict[str, float]:
+    def row(figures: dict[str, dict[str, dict[str, float]]], size: str) -> dict[str, float]:
         base, spec, ngram = figures["base"][size], figures["draft"][size], figures["ngram"][size]
         base_ngram = figures["base"][f"ngram_{size}"]
         return {
@@ -110,10 +129,18 @@ def bench_spec(model: str | None, draft: str | None = None, max_tokens: int = 12
             "drafted_per_step": spec["drafted"] / max(1.0, spec["tokens"] / spec["tokens_per_step"]),
         }
 
+    def median_row(size: str) -> dict[str, Any]:
+        rows = [row(figures, size) for figures in per_round]
+        out: dict[str, Any] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        if len(rows) > 1:
+            out["speedup_per_round"] = [round(r["speedup"], 3) for r in rows]
+        return out
+
     return {
         "scenario": "spec",
         "model": model or "smollm2-135m",
         "draft": draft,
-        **row("batch1"),
-        f"batch{batch}": row(f"batch{batch}"),
+        "rounds": rounds,
+        **median_row("batch1"),
+        f"batch{batch}": median_row(f"batch{batch}"),
     }

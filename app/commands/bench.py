@@ -36,8 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="decode: backends to compare, comma-separated (default: paged,llamacpp)")
     p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
-    p.add_argument("--rounds", type=int, default=3, metavar="N",
-                   help="decode: rounds in which the backends take turns (default: 3)")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="decode, spec: rounds in which the backends (spec: the target alone, with the draft, "
+                        "with n-gram lookup) take turns (default: decode 3, spec 1)")
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4)")
     p.add_argument("--sparsity", type=float, default=None, metavar="S",
@@ -54,11 +55,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.requests < 1:
         raise LLMLocalError("--requests must be at least 1.")
+    if args.rounds is not None and args.rounds < 1:
+        raise LLMLocalError(f"--rounds must be 1 or more, not {args.rounds}.")
     if args.scenario == "decode":
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-        if args.rounds < 1:
-            raise LLMLocalError(f"--rounds must be 1 or more, not {args.rounds}.")
-        result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens, rounds=args.rounds, threads=args.threads)
+        result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens, rounds=args.rounds or 3, threads=args.threads)
     elif args.scenario == "batch":
         result = bench.bench_batch(args.model, requests=args.requests)
     elif args.scenario == "prefix":
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from llmlocal.engine.bench_spec import bench_spec
 
-        result = bench_spec(args.model, args.draft, max_tokens=args.max_tokens)
+        result = bench_spec(args.model, args.draft, max_tokens=args.max_tokens, rounds=args.rounds or 1)
     if args.json:
         print(json.dumps(result))
     else:

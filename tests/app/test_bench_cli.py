@@ -16,3 +16,21 @@ def test_render_prints_per_backend_groups_and_a_nested_group_of_figures() -> Non
         "     paged: decode_tok_s 19.85",
     ]
     assert render(spec).splitlines()[-1] == "                batch8: speedup 1.02, tokens_per_step 1.5"
+
+
+def test_rounds_below_one_is_refused_for_decode_and_spec() -> None:
+    import subprocess
+    import sys
+
+    for scenario in ("decode", "spec"):
+        result = subprocess.run([sys.executable, "-m", "llmlocal.app", "bench", scenario, "--rounds", "0"],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr and "--rounds must be 1 or more" in result.stderr
+
+
+def test_render_prints_per_round_lists() -> None:
+    spec = {"scenario": "spec", "speedup": 1.09, "speedup_per_round": [0.98, 1.206], "batch8": {"speedup_per_round": [1.5]}}
+    lines = render(spec).splitlines()
+    assert lines[2] == "     speedup_per_round: [0.98, 1.206]"
+    assert lines[3] == "                batch8: speedup_per_round [1.5]"
