@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("prompt", metavar="PROMPT", help="the user message; '-' reads it from stdin")
+    p.add_argument("prompt", metavar="PROMPT", nargs="?", default=None,
+                   help="the user message; '-', or nothing with a pipe on stdin, reads it from stdin (UTF-8)")
     add_model_options(p)
     add_sampling_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and stats")
@@ -33,11 +34,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _read_stdin() -> str:
+    """The whole of stdin as UTF-8 text; anything else is the user's to convert."""
+    from llmlocal.models.errors import LLMLocalError
+
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LLMLocalError(
+            f"The prompt on stdin is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}): "
+            "convert it first, e.g. with iconv -f latin1 -t utf-8."
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from llmlocal.engine import DoneEvent, Engine, Request
     from llmlocal.models.errors import LLMLocalError
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = args.prompt
+    if prompt is None and sys.stdin.isatty():
+        raise LLMLocalError("No prompt: pass the text to send, or pipe it in (e.g. echo hi | llmlocal run).")
+    if prompt is None or prompt == "-":
+        prompt = _read_stdin()
     if not prompt.strip():
         raise LLMLocalError("The prompt is empty: pass the text to send, or '-' to read it from stdin.")
     sampling = sampling_from_args(args)

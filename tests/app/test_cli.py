@@ -63,6 +63,18 @@ def test_run_streams_text_and_reads_stdin() -> None:
     assert streamed.stdout.strip() == json.loads(as_json.stdout)["text"].strip()
 
 
+def test_run_reads_a_pipe_without_a_dash_and_refuses_text_that_is_not_utf8() -> None:
+    piped = llmlocal("run", "-t", "0", "-n", "4", stdin="What color is the sky on a clear day?")
+    dashed = llmlocal("run", "-", "-t", "0", "-n", "4", stdin="What color is the sky on a clear day?")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == dashed.stdout and piped.stdout.strip()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    latin1 = subprocess.run([*LLMLOCAL, "run", "-"], input="caf\xe9".encode("latin-1"), capture_output=True, env=env, timeout=120)
+    assert latin1.returncode == 2
+    err = latin1.stderr.decode()
+    assert "Traceback" not in err and "not UTF-8 (byte 0xe9 at offset 3)" in err and "iconv" in err
+
+
 def test_missing_model() -> None:
     assert_user_error(llmlocal("run", "hi", "--model", "no-such-model"), "No model named 'no-such-model'", ".gguf")
 
