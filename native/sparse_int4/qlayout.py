@@ -161,8 +161,19 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([lo_sc, hi_sc], axis=-1), np.concatenate([lo_mn, hi_mn], axis=-1)
 
 
-def decode(raw: np.ndarray, qtype: int) -> QuantCodes:
-    """(N, row_bytes) uint8 of one GGUF tensor -> its codes and factors."""
+def _native_codes(raw: np.ndarray, n: int, nb: int, qtype: int) -> np.ndarray | None:
+    """(N, 256 nb) codes of K-quant blocks decoded in C, or None without the kernels."""
+    kernels = _kernels()
+    if kernels is None:
+        return None
+    out = np.empty((n, 256 * nb), dtype=np.uint8)
+    kernels.decode_kquant_codes(raw, n, nb, qtype, out)
+    return out
+
+
+def decode(raw: np.ndarray, qtype: int, native: bool = True) -> QuantCodes:
+    """(N, row_bytes) uint8 of one GGUF tensor -> its codes and factors; the K-quants' codes in
+    one C pass where the kernels are built (`native`; the numpy here is its reference)."""
     if qtype not in FORMATS:
         raise ValueError(f"ggml type {qtype} has no native kernel")
     f = FORMATS[qtype]
@@ -186,22 +197,27 @@ def decode(raw: np.ndarray, qtype: int) -> QuantCodes:
     elif qtype in (Q4_K, Q5_K):
         d, m = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
         sc, mn = _k_scales(blk[..., 4:16])  # (N, blocks, 8)
-        qs = blk[..., -128:].reshape(n, nb, 4, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
-        q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, nb, 256)
-        if qtype == Q5_K:
-            qh = blk[..., 16:48]  # (N, blocks, 32): bit s of byte l -> sub-block s, value l
-            bits = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1  # (N, nb, 8, 32)
-            q = q | (bits.reshape(n, nb, 256) << 4)
+        q = _native_codes(raw, n, nb, qtype) if native else None
+        if q is None:
+            qs = blk[..., -128:].reshape(n, nb, 4, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+            q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, nb, 256)
+            if qtype == Q5_K:
+                qh = blk[..., 16:48]  # (N, blocks, 32): bit s of byte l -> sub-block s, value l
+                bits = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1  # (N, nb, 8, 32)
+                q = q | (bits.reshape(n, nb, 256) << 4)
         sc, mn = sc.reshape(n, -1), mn.reshape(n, -1)
     else:  # Q6_K
-        ql = blk[..., 0:128].reshape(n, nb, 2, 2, 32)  # (half, +32, l)
-        qh = blk[..., 128:192].reshape(n, nb, 2, 1, 32)  # (half, -, l)
         sc = np.ascontiguousarray(blk[..., 192:208]).reshape(n, -1)
         d = _f16(blk[..., 208:210])
-        low = np.concatenate([ql & 15, ql >> 4], axis=3)  # (N, nb, half, t, l): t = 0..3
-        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, None, :, None]) & 3
-        q = (low | (high << 4)).reshape(n, nb, 256)
-    return QuantCodes(qtype, np.ascontiguousarray(q.reshape(n, -1)).astype(np.uint8, copy=False), np.ascontiguousarray(d.reshape(n, -1)),
+        q = _native_codes(raw, n, nb, qtype) if native else None
+        if q is None:
+            ql = blk[..., 0:128].reshape(n, nb, 2, 2, 32)  # (half, +32, l)
+            qh = blk[..., 128:192].reshape(n, nb, 2, 1, 32)  # (half, -, l)
+            low = np.concatenate([ql & 15, ql >> 4], axis=3)  # (N, nb, half, t, l): t = 0..3
+            high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, None, :, None]) & 3
+            q = (low | (high << 4)).reshape(n, nb, 256)
+    return QuantCodes(qtype, q if q.ndim == 2 else np.ascontiguousarray(q.reshape(n, -1)).astype(np.uint8, copy=False),
+                      np.ascontiguousarray(d.reshape(n, -1)),
                       None if m is None else np.ascontiguousarray(m.reshape(n, -1)),
                       None if sc is None else np.ascontiguousarray(sc), None if mn is None else np.ascontiguousarray(mn))
 

@@ -45,6 +45,14 @@ def gguf_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
     return raw
 
 
+@pytest.mark.parametrize("qtype", [ql.Q4_K, ql.Q5_K, ql.Q6_K], ids=["Q4_K", "Q5_K", "Q6_K"])
+def test_native_kquant_codes_match_numpy(qtype: int) -> None:
+    raw = gguf_blocks(qtype, 37, 768, seed=qtype)
+    native, ref = ql.decode(raw, qtype), ql.decode(raw, qtype, native=False)
+    np.testing.assert_array_equal(native.codes, ref.codes)
+    assert native.codes.dtype == np.uint8 and native.codes.flags.c_contiguous
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
 def test_decode_matches_gguf_dequantize(qtype: int) -> None:
     f = ql.FORMATS[qtype]

@@ -104,6 +104,10 @@ extern qm_dense_prepare_fn g_dense_prepare; /* the current ISA's, set with it */
  * k / 4 * ceil(n / 32) * 16 * bits bytes. */
 void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group, uint8_t *out);
 
+/* Codes of n rows of nb Q4_K / Q5_K / Q6_K super-blocks (the file's bytes) into out (n, 256 nb)
+ * uint8, as qlayout.decode; -1 for another type. */
+int qm_decode_kquant_codes(const uint8_t *raw, size_t n, size_t nb, int type, uint8_t *out);
+
 typedef void (*qm_dequant_fn)(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 #ifdef LLMLOCAL_X86_VARIANTS

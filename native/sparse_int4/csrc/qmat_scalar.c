@@ -229,3 +229,40 @@ void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group
                 memcpy(out + (((size_t)g * nch + c) * qpg + qi) * qb, o, (size_t)qb);
             }
 }
+
+/* The codes of n rows of nb K-quant super-blocks (GGUF's block bytes, qlayout.decode's map)
+ * into out (n, 256 nb) uint8, one pass: Q4_K and Q5_K keep 4 chunks of 32 bytes at the end of
+ * a block (chunk c: sub-block 2 c in the low nibbles, 2 c + 1 in the high), Q5_K bit s of
+ * qh[l] (bytes 16..47) as bit 4 of sub-block s's value l; Q6_K low nibbles in ql (bytes
+ * 0..127: half h, +32 in two runs of 32) and 2-bit tops in qh (bytes 128..191). */
+int qm_decode_kquant_codes(const uint8_t *raw, size_t n, size_t nb, int type, uint8_t *out) {
+    const size_t bb = type == QM_Q4_K ? 144 : type == QM_Q5_K ? 176 : type == QM_Q6_K ? 210 : 0;
+    if (!bb) return -1;
+    for (size_t i = 0; i < n * nb; i++) {
+        const uint8_t *b = raw + i * bb;
+        uint8_t *q = out + i * 256;
+        if (type == QM_Q6_K) {
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                uint8_t *o = q + 128 * h;
+                for (int l = 0; l < 32; l++) {
+                    o[l] = (uint8_t)((ql[l] & 15) | ((qh[l] & 3) << 4));
+                    o[32 + l] = (uint8_t)((ql[32 + l] & 15) | (((qh[l] >> 2) & 3) << 4));
+                    o[64 + l] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                    o[96 + l] = (uint8_t)((ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4));
+                }
+            }
+            continue;
+        }
+        const uint8_t *qs = b + bb - 128;
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                q[64 * c + l] = qs[32 * c + l] & 15;
+                q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+            }
+        if (type == QM_Q5_K)
+            for (int sb = 0; sb < 8; sb++)
+                for (int l = 0; l < 32; l++) q[32 * sb + l] |= (uint8_t)(((b[16 + l] >> sb) & 1) << 4);
+    }
+    return 0;
+}
