@@ -72,35 +72,43 @@ AI void load_quad(const uint8_t *const p[4], const int BITS, __m256i W[4]) {
     }
 }
 
-/* The same four vectors from a quad-interleaved chunk at p (qlayout.py, interleaved=True):
- * the bytes already in the order the column layout's interleave produces. */
-AI void load_quad_il(const uint8_t *p, const int BITS, __m256i W[4]) {
+/* The codes of half h (rows 16 h .. 16 h + 15 of the chunk) of the quad at p: W[0] rows
+ * 16 h + e, W[1] rows 16 h + 8 + e (element e). */
+AI void load_half_il(const uint8_t *p, const int h, const int BITS, __m256i W[2]) {
     if (BITS == 8) {
-        for (int v = 0; v < 4; v++) W[v] = _mm256_loadu_si256((const __m256i *)(p + 32 * v));
+        W[0] = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+        W[1] = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
         return;
     }
-    const __m256i u01 = _mm256_loadu_si256((const __m256i *)p), u23 = _mm256_loadu_si256((const __m256i *)(p + 32));
-    const __m256i f = _mm256_set1_epi8(15);
-    W[0] = _mm256_and_si256(u01, f);
-    W[1] = _mm256_and_si256(_mm256_srli_epi16(u01, 4), f);
-    W[2] = _mm256_and_si256(u23, f);
-    W[3] = _mm256_and_si256(_mm256_srli_epi16(u23, 4), f);
+    const __m256i u = _mm256_loadu_si256((const __m256i *)(p + 32 * h)), f = _mm256_set1_epi8(15);
+    W[0] = _mm256_and_si256(u, f);
+    W[1] = _mm256_and_si256(_mm256_srli_epi16(u, 4), f);
     if (BITS == 5) {
         const __m256i hv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 64)));
         const __m256i sixteen = _mm256_set1_epi8(16);
-        for (int v = 0; v < 4; v++) {
+        for (int t = 0; t < 2; t++) {
+            const int v = 2 * h + t;
             const __m256i bit = join(_mm_set1_epi8((char)(1 << (2 * v))), _mm_set1_epi8((char)(1 << (2 * v + 1))));
             const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
-            W[v] = _mm256_or_si256(W[v], _mm256_and_si256(set, sixteen));
+            W[t] = _mm256_or_si256(W[t], _mm256_and_si256(set, sixteen));
         }
     } else if (BITS == 6) {
-        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 64));
-        const __m256i m = _mm256_set1_epi8(0x30);
-        W[0] = _mm256_or_si256(W[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), m));
-        W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), m));
-        W[2] = _mm256_or_si256(W[2], _mm256_and_si256(hv, m));
-        W[3] = _mm256_or_si256(W[3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), m));
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 64)), m = _mm256_set1_epi8(0x30);
+        if (h == 0) {
+            W[0] = _mm256_or_si256(W[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), m));
+            W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), m));
+        } else {
+            W[0] = _mm256_or_si256(W[0], _mm256_and_si256(hv, m));
+            W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_srli_epi16(hv, 2), m));
+        }
     }
+}
+
+/* The same four vectors from a quad-interleaved chunk at p (qlayout.py, interleaved=True):
+ * the bytes already in the order the column layout's interleave produces; the two halves. */
+AI void load_quad_il(const uint8_t *p, const int BITS, __m256i W[4]) {
+    load_half_il(p, 0, BITS, W);
+    load_half_il(p, 1, BITS, W + 2);
 }
 
 /* D and M (w = D q + M) of rows n .. n + 7 in group g. */
@@ -253,38 +261,6 @@ AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, i
  * broadcast activations fit the 16 registers (4-bit and 8-bit codes need no int16 stage that
  * outlives a quad block; 5 and 6 bits sum int16 over 4 and 2 quads before widening). */
 #define NB_FOR(BITS) ((BITS) == 4 || (BITS) == 8 ? 4 : 2)
-
-/* The codes of half h (rows 16 h .. 16 h + 15 of the chunk) of the quad at p: W[0] rows
- * 16 h + e, W[1] rows 16 h + 8 + e (element e). */
-AI void load_half_il(const uint8_t *p, const int h, const int BITS, __m256i W[2]) {
-    if (BITS == 8) {
-        W[0] = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
-        W[1] = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
-        return;
-    }
-    const __m256i u = _mm256_loadu_si256((const __m256i *)(p + 32 * h)), f = _mm256_set1_epi8(15);
-    W[0] = _mm256_and_si256(u, f);
-    W[1] = _mm256_and_si256(_mm256_srli_epi16(u, 4), f);
-    if (BITS == 5) {
-        const __m256i hv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 64)));
-        const __m256i sixteen = _mm256_set1_epi8(16);
-        for (int t = 0; t < 2; t++) {
-            const int v = 2 * h + t;
-            const __m256i bit = join(_mm_set1_epi8((char)(1 << (2 * v))), _mm_set1_epi8((char)(1 << (2 * v + 1))));
-            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
-            W[t] = _mm256_or_si256(W[t], _mm256_and_si256(set, sixteen));
-        }
-    } else if (BITS == 6) {
-        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 64)), m = _mm256_set1_epi8(0x30);
-        if (h == 0) {
-            W[0] = _mm256_or_si256(W[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), m));
-            W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), m));
-        } else {
-            W[0] = _mm256_or_si256(W[0], _mm256_and_si256(hv, m));
-            W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_srli_epi16(hv, 2), m));
-        }
-    }
-}
 
 /* acc[b][t] element e = sum over the group's nq quads (at p, quad stride qbytes) of
  * q(row 16 h + 8 t + e) * qx, for the BB rows of x at qx[b * qs]. */
