@@ -141,6 +141,18 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
  * products q x, |q| <= 2^bits - 1 (Q8_0 through the sign trick: 128), |x| <= 127. */
 #define QUADS_PER_I16(BITS) ((BITS) == 4 ? 8 : (BITS) == 5 ? 4 : (BITS) == 6 ? 2 : 1)
 
+/* acc[v] (int16 lanes) += the products of code vectors W[0 .. NV-1] with a quad of activations
+ * broadcast in xq; 8-bit codes are signed, so there |x| * sign(q, x), one quad per int16 run
+ * (the caller widens after each). */
+AI void mac_quad(const __m256i *W, const int NV, __m256i xq, const int BITS, __m256i *acc) {
+    if (BITS == 8) {
+        const __m256i ax = _mm256_sign_epi8(xq, xq);
+        for (int v = 0; v < NV; v++) acc[v] = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(W[v], xq));
+        return;
+    }
+    for (int v = 0; v < NV; v++) acc[v] = _mm256_add_epi16(acc[v], _mm256_maddubs_epi16(W[v], xq));
+}
+
 /* The int32 sums of group g over the chunk at `row`, batch rows b0 .. b0 + BB - 1:
  * acc[b][v] element e = sum over the group's slots of q (row + 8v + e) * qx (b0 + b). */
 AI void group_sums(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS,
@@ -173,15 +185,7 @@ AI void group_sums(const qm_matrix *m, const qm_acts *a, int g, int row, int b0,
             for (int b = 0; b < BB; b++) {
                 int32_t q4;
                 memcpy(&q4, a->qx + (size_t)(b0 + b) * a->qx_stride + i, 4);
-                const __m256i xq = _mm256_set1_epi32(q4);
-                if (BITS == 8) {
-                    const __m256i ax = _mm256_sign_epi8(xq, xq);
-                    for (int v = 0; v < 4; v++)
-                        acc16[b][v] = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(W[v], xq));
-                } else {
-                    for (int v = 0; v < 4; v++)
-                        acc16[b][v] = _mm256_add_epi16(acc16[b][v], _mm256_maddubs_epi16(W[v], xq));
-                }
+                mac_quad(W, 4, _mm256_set1_epi32(q4), BITS, acc16[b]);
             }
         }
         for (int b = 0; b < BB; b++)
@@ -280,14 +284,7 @@ AI void half_sums(const uint8_t *p, size_t qbytes, int nq, const int8_t *qx, siz
             for (int b = 0; b < BB; b++) {
                 int32_t q4;
                 memcpy(&q4, qx + (size_t)b * qs + 4 * i, 4);
-                const __m256i xq = _mm256_set1_epi32(q4);
-                if (BITS == 8) {
-                    const __m256i ax = _mm256_sign_epi8(xq, xq);
-                    for (int t = 0; t < 2; t++)
-                        s16[b][t] = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(W[t], xq));
-                } else {
-                    for (int t = 0; t < 2; t++) s16[b][t] = _mm256_add_epi16(s16[b][t], _mm256_maddubs_epi16(W[t], xq));
-                }
+                mac_quad(W, 2, _mm256_set1_epi32(q4), BITS, s16[b]);
             }
         }
         for (int b = 0; b < BB; b++)
