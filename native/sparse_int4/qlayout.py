@@ -162,18 +162,18 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _native_codes(raw: np.ndarray, n: int, nb: int, qtype: int) -> np.ndarray | None:
-    """(N, 256 nb) codes of K-quant blocks decoded in C, or None without the kernels."""
+    """(N, values nb) codes of the blocks decoded in C, or None without the kernels."""
     kernels = _kernels()
     if kernels is None:
         return None
-    out = np.empty((n, 256 * nb), dtype=np.uint8)
-    kernels.decode_kquant_codes(raw, n, nb, qtype, out)
+    out = np.empty((n, FORMATS[qtype].block_values * nb), dtype=np.uint8)
+    kernels.decode_codes(raw, n, nb, qtype, out)
     return out
 
 
 def decode(raw: np.ndarray, qtype: int, native: bool = True) -> QuantCodes:
-    """(N, row_bytes) uint8 of one GGUF tensor -> its codes and factors; the K-quants' codes in
-    one C pass where the kernels are built (`native`; the numpy here is its reference)."""
+    """(N, row_bytes) uint8 of one GGUF tensor -> its codes and factors; the codes in one C pass
+    where the kernels are built (`native`; the numpy here is its reference)."""
     if qtype not in FORMATS:
         raise ValueError(f"ggml type {qtype} has no native kernel")
     f = FORMATS[qtype]
@@ -187,10 +187,12 @@ def decode(raw: np.ndarray, qtype: int, native: bool = True) -> QuantCodes:
         at = 2
         if qtype in (Q4_1, Q5_1):
             m, at = _f16(blk[..., 2:4]), 4
-        q = _nibbles(blk[..., -16:])
-        if qtype in (Q5_0, Q5_1):
-            qh = np.ascontiguousarray(blk[..., at : at + 4]).view(np.uint32)  # (N, blocks, 1)
-            q = q | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+        q = _native_codes(raw, n, nb, qtype) if native else None
+        if q is None:
+            q = _nibbles(blk[..., -16:])
+            if qtype in (Q5_0, Q5_1):
+                qh = np.ascontiguousarray(blk[..., at : at + 4]).view(np.uint32)  # (N, blocks, 1)
+                q = q | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
     elif qtype == Q8_0:
         d = _f16(blk[..., 0:2])
         q = blk[..., 2:]

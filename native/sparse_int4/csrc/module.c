@@ -781,23 +781,24 @@ static PyObject *py_pack_interleaved(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_decode_kquant_codes(PyObject *mod, PyObject *args) {
+static PyObject *py_decode_codes(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *oraw, *oout;
     Py_ssize_t n, nb;
     int type;
     if (!PyArg_ParseTuple(args, "OnniO", &oraw, &n, &nb, &type, &oout)) return NULL;
-    const size_t bb = type == QM_Q4_K ? 144 : type == QM_Q5_K ? 176 : type == QM_Q6_K ? 210 : 0;
-    if (!bb || n < 1 || nb < 1) return PyErr_Format(PyExc_ValueError, "decode_kquant_codes: bad type %d or shape (%zd, %zd)", type, n, nb);
+    size_t bb, values;
+    if (!qm_block_shape(type, &bb, &values) || n < 1 || nb < 1)
+        return PyErr_Format(PyExc_ValueError, "decode_codes: bad type %d or shape (%zd, %zd)", type, n, nb);
     Py_buffer vr, vo;
     void *pr, *po;
     if (get_ptr(oraw, &vr, 0, (size_t)n * nb * bb, 0, &pr, "raw") < 0) return NULL;
-    if (get_ptr(oout, &vo, 1, (size_t)n * nb * 256, 0, &po, "out") < 0) {
+    if (get_ptr(oout, &vo, 1, (size_t)n * nb * values, 0, &po, "out") < 0) {
         release(&vr);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    qm_decode_kquant_codes(pr, (size_t)n, (size_t)nb, type, po);
+    qm_decode_codes(pr, (size_t)n, (size_t)nb, type, po);
     Py_END_ALLOW_THREADS
     release(&vr);
     release(&vo);
@@ -805,8 +806,9 @@ static PyObject *py_decode_kquant_codes(PyObject *mod, PyObject *args) {
 }
 
 static PyMethodDef module_methods[] = {
-    {"decode_kquant_codes", py_decode_kquant_codes, METH_VARARGS,
-     "decode_kquant_codes(raw, n, nb, type, out): Q4_K / Q5_K / Q6_K block bytes into (n, 256 nb) uint8 codes."},
+    {"decode_codes", py_decode_codes, METH_VARARGS,
+     "decode_codes(raw, n, nb, type, out): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K block bytes into "
+     "(n, nb values per block) uint8 codes."},
     {"pack_interleaved", py_pack_interleaved, METH_VARARGS,
      "pack_interleaved(codes, n, k, bits, group, out): codes (n, k) uint8 into the interleaved QMatrix layout."},
     {"to_f16", (PyCFunction)(void (*)(void))py_to_f16, METH_FASTCALL, "to_f16(x, out): float32 -> fp16 bits."},

@@ -104,9 +104,11 @@ extern qm_dense_prepare_fn g_dense_prepare; /* the current ISA's, set with it */
  * k / 4 * ceil(n / 32) * 16 * bits bytes. */
 void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group, uint8_t *out);
 
-/* Codes of n rows of nb Q4_K / Q5_K / Q6_K super-blocks (the file's bytes) into out (n, 256 nb)
- * uint8, as qlayout.decode; -1 for another type. */
-int qm_decode_kquant_codes(const uint8_t *raw, size_t n, size_t nb, int type, uint8_t *out);
+/* Codes of n rows of nb blocks of Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K (the file's bytes)
+ * into out (n, values nb) uint8, as qlayout.decode; -1 for another type. qm_block_shape gives
+ * a type's block bytes and values (0 for a type qm_decode_codes does not read). */
+int qm_block_shape(int type, size_t *bytes, size_t *values);
+int qm_decode_codes(const uint8_t *raw, size_t n, size_t nb, int type, uint8_t *out);
 
 typedef void (*qm_dequant_fn)(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);

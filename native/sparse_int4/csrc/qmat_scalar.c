@@ -230,17 +230,51 @@ void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group
             }
 }
 
-/* The codes of n rows of nb K-quant super-blocks (GGUF's block bytes, qlayout.decode's map)
- * into out (n, 256 nb) uint8, one pass: Q4_K and Q5_K keep 4 chunks of 32 bytes at the end of
- * a block (chunk c: sub-block 2 c in the low nibbles, 2 c + 1 in the high), Q5_K bit s of
- * qh[l] (bytes 16..47) as bit 4 of sub-block s's value l; Q6_K low nibbles in ql (bytes
- * 0..127: half h, +32 in two runs of 32) and 2-bit tops in qh (bytes 128..191). */
-int qm_decode_kquant_codes(const uint8_t *raw, size_t n, size_t nb, int type, uint8_t *out) {
-    const size_t bb = type == QM_Q4_K ? 144 : type == QM_Q5_K ? 176 : type == QM_Q6_K ? 210 : 0;
-    if (!bb) return -1;
+/* Bytes and values of one block of a type qm_decode_codes reads; 0 for another type. */
+int qm_block_shape(int type, size_t *bytes, size_t *values) {
+    *values = 32;
+    switch (type) {
+    case QM_Q4_0: *bytes = 18; return 1;
+    case QM_Q4_1: *bytes = 20; return 1;
+    case QM_Q5_0: *bytes = 22; return 1;
+    case QM_Q5_1: *bytes = 24; return 1;
+    default: break;
+    }
+    *values = 256;
+    switch (type) {
+    case QM_Q4_K: *bytes = 144; return 1;
+    case QM_Q5_K: *bytes = 176; return 1;
+    case QM_Q6_K: *bytes = 210; return 1;
+    default: return 0;
+    }
+}
+
+/* The codes of n rows of nb blocks (GGUF's block bytes, qlayout.decode's map) into out
+ * (n, values nb) uint8, one pass. Q4_0 / Q4_1 / Q5_0 / Q5_1 keep 16 bytes of nibbles at the end
+ * of a block (value l low, 16 + l high) and Q5_0 / Q5_1 a u32 after d (and m) whose bit i is
+ * bit 4 of value i. Q4_K and Q5_K keep 4 chunks of 32 bytes at the end of a block (chunk c:
+ * sub-block 2 c in the low nibbles, 2 c + 1 in the high), Q5_K bit s of qh[l] (bytes 16..47)
+ * as bit 4 of sub-block s's value l; Q6_K low nibbles in ql (bytes 0..127: half h, +32 in two
+ * runs of 32) and 2-bit tops in qh (bytes 128..191). */
+int qm_decode_codes(const uint8_t *raw, size_t n, size_t nb, int type, uint8_t *out) {
+    size_t bb, values;
+    if (!qm_block_shape(type, &bb, &values)) return -1;
     for (size_t i = 0; i < n * nb; i++) {
         const uint8_t *b = raw + i * bb;
-        uint8_t *q = out + i * 256;
+        uint8_t *q = out + i * values;
+        if (values == 32) {
+            const uint8_t *qs = b + bb - 16;
+            for (int l = 0; l < 16; l++) {
+                q[l] = qs[l] & 15;
+                q[16 + l] = qs[l] >> 4;
+            }
+            if (type == QM_Q5_0 || type == QM_Q5_1) {
+                uint32_t qh;
+                memcpy(&qh, b + (type == QM_Q5_0 ? 2 : 4), 4);
+                for (int l = 0; l < 32; l++) q[l] |= (uint8_t)(((qh >> l) & 1) << 4);
+            }
+            continue;
+        }
         if (type == QM_Q6_K) {
             for (int h = 0; h < 2; h++) {
                 const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
