@@ -5,13 +5,14 @@ Importing this package is cheap: backends import their heavy libraries when load
 
 from .engine import ContextOverflowError, Engine
 from .plan import Plan
-from .types import DoneEvent, Event, Message, Request, SamplingParams, Stats, TokenEvent
+from .types import DoneEvent, Event, Grammar, Message, Request, SamplingParams, Stats, TokenEvent
 
 __all__ = [
     "ContextOverflowError",
     "DoneEvent",
     "Engine",
     "Event",
+    "Grammar",
     "Message",
     "Plan",
     "Request",

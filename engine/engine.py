@@ -28,6 +28,7 @@ from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .backends.base import Backend
 from .chat_template import CHATML_TEMPLATE, ChatTemplate
+from .grammar import check_grammar
 from .plan import DEFAULT_MAX_CTX, Plan
 from .types import Event, Message, Request
 
@@ -145,7 +146,15 @@ class Engine:
     # ---- generation ----------------------------------------------------------------------
     def generate(self, request: Request) -> Iterator[Event]:
         """Stream events for ``request``. Raises `ContextOverflowError` before streaming if the
-        prompt leaves no room for a reply."""
+        prompt leaves no room for a reply, and `LLMLocalError` if its grammar does not compile."""
+        grammar = request.sampling.grammar
+        if grammar is not None:
+            if self._server_side:
+                raise LLMLocalError(
+                    "A grammar is enforced by a local engine and --endpoint runs the model elsewhere: "
+                    "drop --endpoint, or ask the server for JSON through its own API."
+                )
+            check_grammar(grammar)
         if self._server_side:
             return self._generate_remote(request)
         prompt_ids = self.prompt_ids(request)

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from .grammar import TokenMasks
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -24,6 +26,10 @@ class Tokenizer(Protocol):
 
     def is_eog(self, token_id: int) -> bool:
         """End of generation: EOS, end-of-turn and similar tokens."""
+        ...
+
+    def token_masks(self, n_vocab: int) -> TokenMasks:
+        """The vocabulary for constrained decoding, over logits of width ``n_vocab``."""
         ...
 
     def close(self) -> None: ...
@@ -48,6 +54,9 @@ class LlamaCppTokenizer:
 
     def is_eog(self, token_id: int) -> bool:
         return token_id in self._eog
+
+    def token_masks(self, n_vocab: int) -> TokenMasks:
+        return TokenMasks.for_llama_vocab(self._llm._model.vocab, n_vocab, sorted(self._eog))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -75,10 +84,11 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tok
 
         directory = Path(directory)
-        self._tok = _Tok.from_file(str(directory / "tokenizer.json"))
+        self._json = (directory / "tokenizer.json").read_text()
+        self._tok = _Tok.from_str(self._json)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._decoder = _byte_decoder()
-        spec = json.loads((directory / "tokenizer.json").read_text())
+        spec = json.loads(self._json)
         self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
         self._special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
         self._eog = set(_eos_ids(directory))
@@ -99,6 +109,9 @@ class HFTokenizer:
 
     def is_eog(self, token_id: int) -> bool:
         return token_id in self._eog
+
+    def token_masks(self, n_vocab: int) -> TokenMasks:
+        return TokenMasks.for_hf_tokenizer(self._json, n_vocab, sorted(self._eog))
 
     def close(self) -> None:
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Mapping, Sequence, Union
@@ -32,6 +33,56 @@ class Message:
         return cls(role=value["role"], content=value["content"])  # type: ignore[arg-type]
 
 
+GrammarKind = Literal["json", "json_schema", "regex", "choice", "lark"]
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a reply must match, enforced token by token (`llmlocal.engine.grammar`).
+
+    ``json``: any JSON object; ``json_schema``: a JSON document valid against the schema in
+    ``spec`` (JSON text); ``regex``: a string the whole of which matches ``spec``; ``choice``:
+    one of the strings in ``spec`` (a JSON array); ``lark``: a Lark grammar (llguidance's
+    dialect). Build one with the class methods; `SamplingParams.grammar` carries it."""
+
+    kind: GrammarKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json", "json_schema", "regex", "choice", "lark"):
+            raise LLMLocalError(f"Unknown grammar kind '{self.kind}': use json, json_schema, regex, choice or lark.")
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        return cls("json")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> Grammar:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise LLMLocalError(f"The JSON schema is not valid JSON ({e.msg} at line {e.lineno}): fix the schema.") from None
+        if not isinstance(schema, Mapping):
+            raise LLMLocalError("A JSON schema must be a JSON object, such as {\"type\": \"object\"}.")
+        return cls("json_schema", json.dumps(schema))
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Grammar:
+        options = list(options)
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise LLMLocalError("A choice needs at least one non-empty string to choose from.")
+        return cls("choice", json.dumps(options))
+
+    @classmethod
+    def lark(cls, text: str) -> Grammar:
+        return cls("lark", text)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. ``temperature == 0`` is greedy decoding.
@@ -51,6 +102,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     n: int = 1  # parallel samples of one prompt (the paged engine shares the prompt's KV blocks)
     ignore_eos: bool = False  # go on past the model's end-of-generation token (benchmarks)
+    grammar: Grammar | None = None  # constrained decoding: every token keeps the reply matching it
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= 64:

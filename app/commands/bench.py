@@ -9,6 +9,8 @@ Scenarios:
   sparse   decode of the sparse backend (at --sparsity S, and at 0 through the same kernels)
            vs dense llama.cpp on the same GGUF, and the kernels' bandwidth; a model without
            thresholds is calibrated first (cached)
+  grammar  constrained decoding (a nested JSON schema) against the same engine free, equal
+           token counts, batch 1 and 8, per backend in --backends
 
 Examples:
 
@@ -17,6 +19,7 @@ Examples:
     llmlocal bench prefix --model ~/models/llama-3.2-1b-q4_0.gguf
     llmlocal bench spec --json
     llmlocal bench sparse --json --sparsity 0.5
+    llmlocal bench grammar --backends paged --rounds 3
 """
 
 from __future__ import annotations
@@ -30,15 +33,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench", help="measure speed: decode, batch, prefix, spec, sparse", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("scenario", choices=["decode", "batch", "prefix", "spec", "sparse"])
+    p.add_argument("scenario", choices=["decode", "batch", "prefix", "spec", "sparse", "grammar"])
     p.add_argument("--model", "-m", default=None, metavar="M", help="model name or path (default: smollm2-135m)")
     p.add_argument("--backends", default="paged,llamacpp", metavar="LIST",
-                   help="decode: backends to compare, comma-separated (default: paged,llamacpp)")
+                   help="decode, grammar: backends to compare, comma-separated (default: paged,llamacpp)")
     p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="decode, spec: rounds in which the backends (spec: the target alone, with the draft, "
-                        "with n-gram lookup) take turns (default: decode 3, spec 1)")
+                   help="decode, spec, grammar: rounds in which the backends (spec: the target alone, with the draft, "
+                        "with n-gram lookup; grammar: constrained and free) take turns (default: decode 3, spec 1, grammar 3)")
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4)")
     p.add_argument("--sparsity", type=float, default=None, metavar="S",
@@ -70,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
         if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
             raise LLMLocalError(f"--sparsity must be in [0, 1), got {args.sparsity}.")
         result = bench_sparse(args.model, args.sparsity, max_tokens=args.max_tokens, threads=args.threads)
+    elif args.scenario == "grammar":
+        from llmlocal.engine.bench_grammar import bench_grammar
+
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+        result = bench_grammar(args.model, backends, rounds=args.rounds or 3, threads=args.threads)
     else:
         from llmlocal.engine.bench_spec import bench_spec
 

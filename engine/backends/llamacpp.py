@@ -18,6 +18,7 @@ from llmlocal.models import ResolvedModel
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
 
 from ..detokenize import TextStream
+from ..grammar import Constraint, TokenMasks
 from ..hardware import physical_cores
 from ..memory_model import llamacpp_flash_attn
 from ..plan import Plan
@@ -90,6 +91,7 @@ class LlamaCppBackend:
         self.n_ctx = n_ctx
         self.device = device
         self._lock = threading.Lock()  # one request at a time: llama.cpp holds one sequence
+        self._token_masks: TokenMasks | None = None  # built on the first request with a grammar
 
     @classmethod
     def load(cls, model: ResolvedModel, plan: Plan) -> LlamaCppBackend:
@@ -165,6 +167,7 @@ class LlamaCppBackend:
         llm.last_n_tokens_size = p.repeat_last_n
 
         text = TextStream(p.stop)
+        constraint = self._grammar_masks().constraint(p.grammar) if p.grammar is not None else None
         completion: list[int] = []
         finish: FinishReason = "cancelled" if cancel.is_set() else "stop"
         room = self.n_ctx - len(prompt_ids)  # tokens that fit after the prompt
@@ -176,6 +179,7 @@ class LlamaCppBackend:
             temp=p.temperature,
             repeat_penalty=p.repeat_penalty,
             reset=True,
+            logits_processor=None if constraint is None else [_masking(constraint)],
         )
         try:
             while not cancel.is_set():
@@ -183,6 +187,8 @@ class LlamaCppBackend:
                 if token is None or (self._is_eog(token) and not p.ignore_eos):
                     finish = "stop"
                     break
+                if constraint is not None:
+                    constraint.advance(token)
                 completion.append(token)
                 recorder.token()
                 piece = text.feed(llm.detokenize([token], prev_tokens=None))
@@ -205,6 +211,13 @@ class LlamaCppBackend:
             yield TokenEvent(tail, (), index)
         stats = recorder.finish(len(prompt_ids), cached_prompt_tokens=cached, n_ctx=self.n_ctx)
         yield DoneEvent(text.text, finish, stats, index)
+
+    def _grammar_masks(self) -> TokenMasks:
+        if self._token_masks is None:
+            vocab = self._llm._model.vocab
+            eog = [t for t in range(self._llm.n_vocab()) if self._is_eog(t)]
+            self._token_masks = TokenMasks.for_llama_vocab(vocab, self._llm.n_vocab(), eog)
+        return self._token_masks
 
     def _prefill_all_but_last(self, prompt_ids: list[int]) -> int:
         """Bring the KV cache to ``prompt_ids[:-1]``, reusing its longest cached prefix.
@@ -278,3 +291,12 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
     m = x.max(axis=1, keepdims=True)
     return m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
 
+
+def _masking(constraint: Constraint) -> Any:
+    """A llama-cpp-python logits processor: the grammar's mask at the reply's current token
+    (the caller advances ``constraint`` with each token it takes)."""
+
+    def process(_input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        return np.where(constraint.allowed(), scores, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    return process

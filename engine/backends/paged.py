@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,7 @@ from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 from ..block_manager import BlockManager
 from ..detokenize import TextStream
 from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter, Proposal
+from ..grammar import Constraint, TokenMasks, mask_logits
 from ..model.llama import LlamaModel
 from ..model.fast_decode import FastDecode, native_int4, native_quant
 from ..model.loader import load_gguf, load_hf
@@ -65,6 +67,7 @@ class _Stream:
     accepted: int = 0
     target_steps: int = 0  # steps that produced tokens for this sample
     start_mark: object = None  # a subclass's counters when the request started (`_extra_stats`)
+    constraint: Constraint | None = None  # the request's grammar: where this sample stands in it
 
 
 def _load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
@@ -138,6 +141,8 @@ class PagedBackend:
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()  # set on a new request, a cancellation or close
         self._closed = False
+        self._token_masks: TokenMasks | None = None  # built on the first request with a grammar
+        self._mask_worker: ThreadPoolExecutor | None = None  # grammar masks, while the model runs
         self._thread = threading.Thread(target=self._loop, name="llmlocal-paged", daemon=True)
         self._thread.start()
 
@@ -193,6 +198,8 @@ class PagedBackend:
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=False)
         self.tokenizer.close()
 
     # ---- tokens --------------------------------------------------------------------------
@@ -208,6 +215,10 @@ class PagedBackend:
         events: queue.SimpleQueue = queue.SimpleQueue()
         streams = [self._new_stream(request, cancel, events, i) for i in range(p.n)]
         streams[0].siblings = streams[1:]
+        if p.grammar is not None:  # compiled here: a bad grammar is the caller's error, before queueing
+            masks = self._grammar_masks()
+            for stream in streams:
+                stream.constraint = masks.constraint(p.grammar)
         seq = Sequence(next(self._ids), prompt_ids, max_tokens=p.max_tokens, extra=streams[0])
         try:
             self.scheduler.check_fits(seq)
@@ -241,6 +252,12 @@ class PagedBackend:
             events=events,
             index=index,
         )
+
+    def _grammar_masks(self) -> TokenMasks:
+        if self._token_masks is None:
+            self._token_masks = self.tokenizer.token_masks(self.runner.model.cfg.vocab_size)
+            self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmlocal-masks")
+        return self._token_masks
 
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -295,8 +312,11 @@ class PagedBackend:
             StepItem(s.seq, s.start, s.num_tokens, s.samples, 1 + s.seq.num_draft_tokens if s.samples else 1)
             for s in out.items
         ]
+        masks = self._start_masks(items)
         t0 = time.perf_counter()
         logits, sampled_items = self.runner.execute(items)
+        if masks is not None:
+            self._apply_masks(logits, sampled_items, masks.result())
         new_tokens = self._sample(logits, sampled_items)
         if self.draft_length is not None:
             plain = all(s.num_tokens == 1 and s.start > 0 for s in out.items)
@@ -333,6 +353,33 @@ class PagedBackend:
         for parent, draws in forks:
             for sib, token in draws:
                 self._start_sibling(parent, sib, token)
+
+    def _start_masks(self, items: list[StepItem]) -> Future[dict[int, list[np.ndarray | None]]] | None:
+        """The grammar masks of this step's sampled rows, computed on the worker thread while
+        the model runs (the constraints are not touched elsewhere until `result()`)."""
+        constrained = [it for it in items if it.sample and it.seq.extra.constraint is not None]  # type: ignore[union-attr]
+        if not constrained:
+            return None
+        assert self._mask_worker is not None
+
+        def compute() -> dict[int, list[np.ndarray | None]]:
+            out: dict[int, list[np.ndarray | None]] = {}
+            for it in constrained:
+                constraint: Constraint = it.seq.extra.constraint  # type: ignore[union-attr]
+                k = it.num_logits - 1  # drafts being verified
+                out[it.seq.seq_id] = constraint.allowed_through(it.seq.token_ids[it.seq.num_tokens - k :] if k else [])
+            return out
+
+        return self._mask_worker.submit(compute)
+
+    @staticmethod
+    def _apply_masks(logits: torch.Tensor, items: list[StepItem], masks: dict[int, list[np.ndarray | None]]) -> None:
+        row = 0
+        for it in items:
+            for i, allowed in enumerate(masks.get(it.seq.seq_id, ())):
+                if allowed is not None:
+                    mask_logits(logits[row + i], allowed)
+            row += it.num_logits
 
     def _sample(self, logits: torch.Tensor, items: list[StepItem]) -> list[list[int]]:
         """The tokens each sampling item produces: one, or (verifying drafts) the kept drafts
@@ -405,6 +452,8 @@ class PagedBackend:
         """Stream one sampled token's text; True if the sample ends here (EOG or stop string)."""
         if self.tokenizer.is_eog(token) and not stream.request.sampling.ignore_eos:
             return True
+        if stream.constraint is not None:
+            stream.constraint.advance(token)
         stream.recorder.token()
         piece = stream.text.feed(self.tokenizer.token_bytes(token))
         stream.events.put(TokenEvent(piece, (token,), stream.index))
