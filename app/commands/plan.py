@@ -7,7 +7,7 @@ fills in the rest.
 
 Examples:
 
-    llmlocal plan                                  # the starter model
+    llmlocal plan                                  # the default model (`llmlocal models default`)
     llmlocal plan ~/models/llama-3.1-8b-q4_k_m.gguf --ctx 32768
     llmlocal plan model.gguf --backend llamacpp --gpu-layers 20
     llmlocal plan model.gguf --memory-budget 6G --json
@@ -19,7 +19,8 @@ import argparse
 import json
 from typing import Any
 
-from ..options import add_planner_options
+from ..config import BACKENDS
+from ..options import FromConfig, add_planner_options
 
 BAR_WIDTH = 48
 # (field, bar character, label)
@@ -33,17 +34,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
-                   help="model name or path to a .gguf file (default: smollm2-135m, bundled)")
-    g = p.add_argument_group("pins (each flag fixes that dimension)")
-    g.add_argument("--ctx", type=int, default=None, metavar="N", help="context window in tokens")
-    g.add_argument("--backend", default="auto", choices=["auto", "llamacpp", "paged", "sparse"], help="engine backend")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=FromConfig("model"),
+                   help="model name or path to a .gguf file (default: `llmlocal models default`, "
+                        "else smollm2-135m, bundled)")
+    g = p.add_argument_group("pins (each flag fixes that dimension; --ctx and --backend default to the config file's)")
+    g.add_argument("--ctx", type=int, default=FromConfig("ctx"), metavar="N", help="context window in tokens")
+    g.add_argument("--backend", default=FromConfig("backend", "auto"), choices=BACKENDS, help="engine backend")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
     g.add_argument("--kv-blocks", type=int, default=None, metavar="N", help="paged backend: KV pool size in blocks of 16 tokens")
     g.add_argument("--draft", default=None, metavar="M", help="paged backend: count draft model M (or 'ngram')")
     add_planner_options(g)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run, threads=None, draft_k=None, sparsity=None, endpoint=None, api_key=None)
+    p.set_defaults(func=run, threads=FromConfig("threads"), draft_k=None, sparsity=None, endpoint=None, api_key=None)
 
 
 def run(args: argparse.Namespace) -> int:
