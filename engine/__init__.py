@@ -5,7 +5,7 @@ Importing this package is cheap: backends import their heavy libraries when load
 
 from .engine import ContextOverflowError, Engine
 from .plan import Plan
-from .types import DoneEvent, Event, Grammar, Message, Request, SamplingParams, Stats, TokenEvent
+from .types import DoneEvent, Event, Grammar, Message, Request, SamplingParams, Stats, TokenEvent, TokenLogprob
 
 __all__ = [
     "ContextOverflowError",
@@ -19,4 +19,5 @@ __all__ = [
     "SamplingParams",
     "Stats",
     "TokenEvent",
+    "TokenLogprob",
 ]

@@ -126,6 +126,10 @@ class Engine:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.backend.tokenize(text, add_special=add_special)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token (what a reply's logprobs name)."""
+        return self.backend.token_bytes(token_id)
+
     def prompt_ids(self, request: Request) -> list[int]:
         if self._server_side:
             return self.backend.prompt_ids(request)  # type: ignore[attr-defined]
@@ -155,6 +159,8 @@ class Engine:
                     "drop --endpoint, or ask the server for JSON through its own API."
                 )
             check_grammar(grammar)
+        if request.sampling.logprobs is not None and self._server_side:
+            raise LLMLocalError("Logprobs come from a local engine and --endpoint runs the model elsewhere: drop --endpoint.")
         if self._server_side:
             return self._generate_remote(request)
         prompt_ids = self.prompt_ids(request)

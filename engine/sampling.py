@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from .types import SamplingParams
+from .types import SamplingParams, TokenLogprob
 
 
 def apply_repeat_penalty(logits: torch.Tensor, history: Sequence[int], params: SamplingParams) -> torch.Tensor:
@@ -81,3 +81,16 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Row i of ``logits`` (float32, the model's) is where ``tokens[i]`` was drawn: its
+    log-probability and the ``top`` likeliest tokens there."""
+    lsm = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = lsm.gather(1, torch.as_tensor(tokens, device=lsm.device).view(-1, 1)).view(-1).tolist()
+    best = torch.topk(lsm, top, dim=-1) if top else None
+    out = []
+    for i, (token, lp) in enumerate(zip(tokens, chosen)):
+        alts = tuple(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else ()
+        out.append(TokenLogprob(int(token), float(lp), alts))
+    return out

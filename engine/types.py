@@ -33,6 +33,7 @@ class Message:
         return cls(role=value["role"], content=value["content"])  # type: ignore[arg-type]
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives a token may report (OpenAI's limit)
 GrammarKind = Literal["json", "json_schema", "regex", "choice", "lark"]
 
 
@@ -103,6 +104,7 @@ class SamplingParams:
     n: int = 1  # parallel samples of one prompt (the paged engine shares the prompt's KV blocks)
     ignore_eos: bool = False  # go on past the model's end-of-generation token (benchmarks)
     grammar: Grammar | None = None  # constrained decoding: every token keeps the reply matching it
+    logprobs: int | None = None  # report each token's log-probability and this many likeliest alternatives
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= 64:
@@ -121,6 +123,8 @@ class SamplingParams:
             raise LLMLocalError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if any(not s for s in self.stop):
             raise LLMLocalError("Stop strings must not be empty.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise LLMLocalError(f"logprobs asks for 0 to {MAX_TOP_LOGPROBS} alternatives a token, got {self.logprobs}.")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
@@ -198,6 +202,16 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (the softmax of its logits, before
+    temperature, filters and grammar), and the likeliest tokens at its place, best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """Text of one or more new tokens (text may be empty while a UTF-8 character or a
     possible stop string is incomplete)."""
@@ -205,6 +219,7 @@ class TokenEvent:
     text: str
     token_ids: tuple[int, ...]
     index: int = 0  # which of the request's n samples
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -215,6 +230,7 @@ class DoneEvent:
     finish_reason: FinishReason
     stats: Stats
     index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # every token's, when the request asked for them
 
 
 Event = Union[TokenEvent, DoneEvent]

@@ -22,6 +22,10 @@ class Backend(Protocol):
 
     def detokenize(self, token_ids: list[int]) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a UTF-8 character may be split across tokens)."""
+        ...
+
     def generate(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
         """Stream the reply to ``prompt_ids``; stop within one token once ``cancel`` is set.
 

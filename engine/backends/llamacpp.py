@@ -23,7 +23,7 @@ from ..hardware import physical_cores
 from ..memory_model import llamacpp_flash_attn
 from ..plan import Plan
 from ..stats import StatsRecorder
-from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent
+from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 
 
 _params_lock = threading.Lock()
@@ -143,6 +143,9 @@ class LlamaCppBackend:
     def detokenize(self, token_ids: list[int]) -> str:
         return self._llm.detokenize(token_ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes(self._llm.detokenize([token_id]))
+
     def _is_eog(self, token: int) -> bool:
         import llama_cpp
 
@@ -168,7 +171,9 @@ class LlamaCppBackend:
 
         text = TextStream(p.stop)
         constraint = self._grammar_masks().constraint(p.grammar) if p.grammar is not None else None
+        step = _StepLogits(constraint, keep=p.logprobs is not None)
         completion: list[int] = []
+        kept: tuple[TokenLogprob, ...] = ()
         finish: FinishReason = "cancelled" if cancel.is_set() else "stop"
         room = self.n_ctx - len(prompt_ids)  # tokens that fit after the prompt
         tokens = llm.generate(
@@ -179,7 +184,7 @@ class LlamaCppBackend:
             temp=p.temperature,
             repeat_penalty=p.repeat_penalty,
             reset=True,
-            logits_processor=None if constraint is None else [_masking(constraint)],
+            logits_processor=[step] if step.active else None,
         )
         try:
             while not cancel.is_set():
@@ -192,7 +197,9 @@ class LlamaCppBackend:
                 completion.append(token)
                 recorder.token()
                 piece = text.feed(llm.detokenize([token], prev_tokens=None))
-                yield TokenEvent(piece, (token,), index)
+                logprobs = step.logprobs(token, p.logprobs)
+                kept += logprobs
+                yield TokenEvent(piece, (token,), index, logprobs)
                 if text.stopped:
                     finish = "stop"
                     break
@@ -210,7 +217,7 @@ class LlamaCppBackend:
         if tail:
             yield TokenEvent(tail, (), index)
         stats = recorder.finish(len(prompt_ids), cached_prompt_tokens=cached, n_ctx=self.n_ctx)
-        yield DoneEvent(text.text, finish, stats, index)
+        yield DoneEvent(text.text, finish, stats, index, kept)
 
     def _grammar_masks(self) -> TokenMasks:
         if self._token_masks is None:
@@ -292,11 +299,28 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
     return m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
 
 
-def _masking(constraint: Constraint) -> Any:
-    """A llama-cpp-python logits processor: the grammar's mask at the reply's current token
-    (the caller advances ``constraint`` with each token it takes)."""
+class _StepLogits:
+    """llama-cpp-python's logits processor, called with each next token's logits (in token id
+    order, before its samplers): applies the grammar's mask, and keeps the logits for the
+    token's logprobs. The caller advances ``constraint`` with each token it takes."""
 
-    def process(_input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        return np.where(constraint.allowed(), scores, np.float32(-np.inf)).astype(np.float32, copy=False)
+    def __init__(self, constraint: Constraint | None, keep: bool) -> None:
+        self.constraint, self.keep = constraint, keep
+        self.active = constraint is not None or keep
+        self.last: np.ndarray | None = None
 
-    return process
+    def __call__(self, _input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if self.keep:
+            self.last = np.array(scores, dtype=np.float32)
+        if self.constraint is None:
+            return scores
+        return np.where(self.constraint.allowed(), scores, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def logprobs(self, token: int, top: int | None) -> tuple[TokenLogprob, ...]:
+        if top is None or self.last is None:
+            return ()
+        import torch
+
+        from ..sampling import token_logprobs
+
+        return tuple(token_logprobs(torch.from_numpy(self.last).view(1, -1), [token], top))

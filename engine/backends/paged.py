@@ -36,14 +36,14 @@ from ..model.fast_decode import FastDecode, native_int4, native_quant
 from ..model.loader import load_gguf, load_hf
 from ..model_runner import ModelRunner, StepItem
 from ..plan import Plan, paged_kv_dtype
-from ..sampling import make_generator, sample_batch
+from ..sampling import make_generator, sample_batch, token_logprobs
 from ..scheduler import RequestTooLargeError, Scheduler
 from ..sequence import Sequence
 from ..spec_control import DraftLength
 from ..speculative import verify
 from ..stats import StatsRecorder
 from ..tokenizer import HFTokenizer, LlamaCppTokenizer, Tokenizer
-from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent
+from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -68,6 +68,7 @@ class _Stream:
     target_steps: int = 0  # steps that produced tokens for this sample
     start_mark: object = None  # a subclass's counters when the request started (`_extra_stats`)
     constraint: Constraint | None = None  # the request's grammar: where this sample stands in it
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens' so far, when asked for
 
 
 def _load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
@@ -209,6 +210,9 @@ class PagedBackend:
     def detokenize(self, token_ids: list[int]) -> str:
         return b"".join(self.tokenizer.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.tokenizer.token_bytes(token_id)
+
     # ---- generation ----------------------------------------------------------------------
     def generate(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
         p = request.sampling
@@ -315,6 +319,7 @@ class PagedBackend:
         masks = self._start_masks(items)
         t0 = time.perf_counter()
         logits, sampled_items = self.runner.execute(items)
+        raw = self._logprob_rows(logits, sampled_items)  # before the masks: the model's own distribution
         if masks is not None:
             self._apply_masks(logits, sampled_items, masks.result())
         new_tokens = self._sample(logits, sampled_items)
@@ -324,24 +329,26 @@ class PagedBackend:
         sampled: dict[int, int] = {}
         accepted: dict[int, int] = {}
         stopped: set[int] = set()
-        forks: list[tuple[Sequence, list[tuple[_Stream, int]]]] = []
+        forks: list[tuple[Sequence, list[tuple[_Stream, int, TokenLogprob | None]]]] = []
         row = 0
         for it, tokens in zip(sampled_items, new_tokens):
             stream: _Stream = it.seq.extra  # type: ignore[assignment]
             sid = it.seq.seq_id
             stream.kv_blocks_used = used
             stream.target_steps += 1
+            rows, top = raw.get(sid), stream.request.sampling.logprobs or 0
             if stream.siblings:  # n > 1: the other samples draw their first token from these logits
                 last = logits[row + it.num_logits - 1 : row + it.num_logits]
-                draws = [
-                    (sib, sample_batch(last, [sib.request.sampling], [it.seq.token_ids], [sib.generator])[0])
-                    for sib in stream.siblings
-                ]
+                draws = []
+                for sib in stream.siblings:
+                    token = sample_batch(last, [sib.request.sampling], [it.seq.token_ids], [sib.generator])[0]
+                    draws.append((sib, token, None if rows is None else token_logprobs(rows[-1:], [token], top)[0]))
                 forks.append((it.seq, draws))
                 stream.siblings = []
             row += it.num_logits
+            lps = token_logprobs(rows, tokens, top) if rows is not None else [None] * len(tokens)
             for j, token in enumerate(tokens):
-                if self._emit(stream, token):
+                if self._emit(stream, token, lps[j]):
                     tokens = tokens[: j + 1]
                     stopped.add(sid)
                     break
@@ -351,8 +358,18 @@ class PagedBackend:
         for seq in self.scheduler.update(out, sampled, stopped, accepted):
             self._finish(seq, seq.finish_reason or "stop")
         for parent, draws in forks:
-            for sib, token in draws:
-                self._start_sibling(parent, sib, token)
+            for sib, token, lp in draws:
+                self._start_sibling(parent, sib, token, lp)
+
+    @staticmethod
+    def _logprob_rows(logits: torch.Tensor, items: list[StepItem]) -> dict[int, torch.Tensor]:
+        """A copy of the logits rows of the sequences whose requests report logprobs."""
+        out, row = {}, 0
+        for it in items:
+            if it.seq.extra.request.sampling.logprobs is not None:  # type: ignore[union-attr]
+                out[it.seq.seq_id] = logits[row : row + it.num_logits].clone()
+            row += it.num_logits
+        return out
 
     def _start_masks(self, items: list[StepItem]) -> Future[dict[int, list[np.ndarray | None]]] | None:
         """The grammar masks of this step's sampled rows, computed on the worker thread while
@@ -448,7 +465,7 @@ class PagedBackend:
                 req.seq.add_draft(proposal.tokens)
                 req.seq.extra.proposal = proposal  # type: ignore[union-attr]
 
-    def _emit(self, stream: _Stream, token: int) -> bool:
+    def _emit(self, stream: _Stream, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Stream one sampled token's text; True if the sample ends here (EOG or stop string)."""
         if self.tokenizer.is_eog(token) and not stream.request.sampling.ignore_eos:
             return True
@@ -456,10 +473,12 @@ class PagedBackend:
             stream.constraint.advance(token)
         stream.recorder.token()
         piece = stream.text.feed(self.tokenizer.token_bytes(token))
-        stream.events.put(TokenEvent(piece, (token,), stream.index))
+        if logprob is not None:
+            stream.logprobs.append(logprob)
+        stream.events.put(TokenEvent(piece, (token,), stream.index, (logprob,) if logprob is not None else ()))
         return stream.text.stopped
 
-    def _start_sibling(self, parent: Sequence, stream: _Stream, token: int) -> None:
+    def _start_sibling(self, parent: Sequence, stream: _Stream, token: int, logprob: TokenLogprob | None) -> None:
         """Sample `stream.index` of a request continues from the parent's prompt with its own
         first token, sharing the parent's KV blocks when the parent still holds them."""
         child = parent.fork(next(self._ids))
@@ -468,7 +487,7 @@ class PagedBackend:
         child.extra = stream
         stream.kv_blocks_used = self.blocks.num_used_blocks
         ended: FinishReason | None = None
-        if self._emit(stream, token):
+        if self._emit(stream, token, logprob):
             ended = "stop"
         elif child.max_tokens == 1:
             ended = "length"
@@ -504,7 +523,7 @@ class PagedBackend:
             **spec,
             **self._extra_stats(stream),
         )
-        stream.events.put(DoneEvent(stream.text.text, reason, stats, stream.index))
+        stream.events.put(DoneEvent(stream.text.text, reason, stats, stream.index, tuple(stream.logprobs)))
 
     # ---- scoring -------------------------------------------------------------------------
     def log_probs(self, token_ids: list[int]) -> np.ndarray:
