@@ -6,11 +6,19 @@ Examples:
     llmlocal run "Write a haiku about rain." --temperature 0 --max-tokens 40
     llmlocal run "Summarise this:" --system "You are terse." --json
     cat notes.txt | llmlocal run - --max-tokens 200
+    llmlocal run "Why is the sky blue?" --system-preset terse   # [system_prompts] in the config file
+    llmlocal run "Three primary colours, as JSON." --format json
+    llmlocal run "Describe a book." --json-schema book.schema.json   # a reply valid against the schema
+    llmlocal run "Is 17 prime?" --choice yes --choice no
+
+Without --model it loads the default model (`llmlocal models default`); the sampling options
+default to the config file's settings where it has them (`llmlocal config list`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -29,6 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the user message; '-', or nothing with a pipe on stdin, reads it from stdin (UTF-8)")
     add_model_options(p)
     add_sampling_options(p)
+    g = p.add_argument_group("structured output (the reply is constrained token by token)").add_mutually_exclusive_group()
+    g.add_argument("--format", choices=["json"], default=None, help="json: the reply is a JSON object")
+    g.add_argument("--json-schema", default=None, metavar="FILE", help="the reply is JSON valid against the schema in FILE")
+    g.add_argument("--regex", default=None, metavar="RE", help="the whole reply matches the regular expression RE")
+    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the reply is one of these strings (repeat the option)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and stats")
     p.add_argument("--verbose", "-v", action="store_true", help="print stats to stderr after the reply")
     p.set_defaults(func=run)
@@ -59,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
         prompt = _read_stdin()
     if not prompt.strip():
         raise LLMLocalError("The prompt is empty: pass the text to send, or '-' to read it from stdin.")
-    sampling = sampling_from_args(args)
+    sampling = dataclasses.replace(sampling_from_args(args), grammar=_grammar(args))
+    if sampling.grammar is not None:  # before the model loads: a typo should not cost a load
+        from llmlocal.engine.grammar import check_grammar
+
+        check_grammar(sampling.grammar)
     plan = plan_from_args(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": prompt}
@@ -91,6 +109,29 @@ def run(args: argparse.Namespace) -> int:
             if args.verbose:
                 _print_stats(done)
         return 130 if done.finish_reason == "cancelled" else 0
+
+
+def _grammar(args: argparse.Namespace) -> Any:
+    """The grammar the structured-output flags ask for, or None."""
+    from llmlocal.engine import Grammar
+    from llmlocal.models.errors import LLMLocalError
+
+    if args.format == "json":
+        return Grammar.json_object()
+    if args.regex is not None:
+        return Grammar.regex(args.regex)
+    if args.choice is not None:
+        return Grammar.choice(args.choice)
+    if args.json_schema is None:
+        return None
+    try:
+        with open(args.json_schema, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise LLMLocalError(f"Cannot read the JSON schema {args.json_schema} ({e.strerror}): check the --json-schema path.") from None
+    except UnicodeDecodeError:
+        raise LLMLocalError(f"The JSON schema {args.json_schema} is not UTF-8 text: pass a .json file.") from None
+    return Grammar.json_schema(text)
 
 
 def _result(done: Any, model: str) -> dict[str, Any]:

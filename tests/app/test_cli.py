@@ -129,3 +129,23 @@ def test_draft_with_another_tokenizer_is_one_sentence(make_gguf) -> None:
     other = make_gguf(arch="llama", name="other.gguf")
     result = llmlocal("run", "hi", "--backend", "paged", "--draft", str(other), "--ctx", "256", timeout=300)
     assert_user_error(result, "different tokenizer", "--draft ngram")
+
+
+def test_run_structured_output_flags(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    result = llmlocal("run", "Pick a colour and a count.", "--json-schema", str(tmp_path / "s.json"), "-t", "1", "--seed", "4",
+                      "--backend", "paged", "--json")
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(json.loads(result.stdout)["text"])
+    assert set(reply) == {"colour", "count"} and reply["colour"] in ("red", "green", "blue") and isinstance(reply["count"], int)
+    result = llmlocal("run", "Is the sky green?", "--choice", "yes", "--choice", "no", "-t", "0")
+    assert result.returncode == 0 and result.stdout.strip() in ("yes", "no"), result.stderr
+
+
+def test_run_structured_output_errors_are_one_sentence(tmp_path: Path) -> None:
+    assert_user_error(llmlocal("run", "Hi", "--json-schema", str(tmp_path / "missing.json")), "Cannot read the JSON schema", "--json-schema")
+    (tmp_path / "bad.json").write_text("{not json")
+    assert_user_error(llmlocal("run", "Hi", "--json-schema", str(tmp_path / "bad.json")), "not valid JSON")
+    assert_user_error(llmlocal("run", "Hi", "--regex", "[a-"), "regex grammar does not compile")
