@@ -5,17 +5,24 @@ immutable sandbox (no attribute access to Python internals, no mutation of the p
 objects). The environment mirrors what Hugging Face `apply_chat_template` offers templates
 (`raise_exception`, `strftime_now`, `tojson`, trim_blocks/lstrip_blocks), which is what
 template authors test against.
+
+Tools follow Hugging Face's convention: a template that reads ``tools`` gets OpenAI's tool
+list, assistant messages with ``tool_calls`` and ``tool`` messages as they are. A template
+that does not (the starter's) gets the tools described in a system message and calls and
+results written into the turns as text, in the Hermes format (`tool_calls.plain_messages`).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from llmlocal.models.errors import LLMLocalError
 
+from .tool_calls import plain_messages, template_messages
 from .types import Message
 
 # Used when a model carries no template: ChatML, the most common instruct format.
@@ -39,6 +46,13 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """Hugging Face's ``tojson``: keys in their order, no HTML escaping (Jinja's own sorts and
+    escapes ``<``, which would change the tool signatures templates write)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     source: str
@@ -46,27 +60,51 @@ class ChatTemplate:
     eos_token: str = ""
 
     @cached_property
-    def _template(self) -> Any:
+    def _compiled(self) -> tuple[Any, Any]:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         try:
-            return env.from_string(self.source)
+            return env, env.from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(
                 f"The model's chat template does not parse ({e.message}, line {e.lineno}): "
                 "use a raw prompt or fix the model's tokenizer.chat_template."
             ) from None
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    @property
+    def _template(self) -> Any:
+        return self._compiled[1]
+
+    @cached_property
+    def knows_tools(self) -> bool:
+        """The template reads ``tools`` (Qwen2.5's, Llama 3.x's): it renders them itself."""
+        from jinja2 import meta
+
+        env = self._compiled[0]
+        return "tools" in meta.find_undeclared_variables(env.parse(self.source))
+
+    def render(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of ``messages``; ``tools`` is OpenAI's tool list (None or empty: none)."""
         import jinja2
 
+        tools = list(tools or [])
+        uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
+        if uses_tools and not self.knows_tools:
+            extra: dict[str, Any] = {"messages": plain_messages(messages, tools)}
+        else:
+            extra = {"messages": template_messages(messages)}
+            if tools:
+                extra["tools"] = tools
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                **extra,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
@@ -117,11 +117,15 @@ class Engine:
         return self.backend.device
 
     # ---- prompts -------------------------------------------------------------------------
-    def render(self, messages: Sequence[Message | Mapping[str, str]]) -> str:
-        """The prompt text the model sees for a conversation (generation prompt appended)."""
+    def render(self, messages: Sequence[Message | Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text the model sees for a conversation (generation prompt appended);
+        ``tools`` (OpenAI's tool list) through the model's template, or described in the system
+        message when the template knows no tools."""
         if self._server_side:
+            if tools:
+                raise LLMLocalError("Tools are rendered by a local engine and --endpoint runs the model elsewhere: drop --endpoint.")
             return self.backend.render([Message.coerce(m) for m in messages])  # type: ignore[attr-defined]
-        return self.template.render([Message.coerce(m) for m in messages])
+        return self.template.render([Message.coerce(m) for m in messages], tools=tools)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.backend.tokenize(text, add_special=add_special)

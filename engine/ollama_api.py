@@ -19,8 +19,13 @@ What is honoured, and what gets a 400 naming it:
   other option is refused unless its value asks for nothing (``"mirostat": 0``); null
   options count as absent.
 * ``format``: ``"json"`` (any JSON object) or a JSON schema, enforced token by token.
-* Refused: a Go ``template``, ``suffix``, ``images``, ``context``, ``think``, ``tools``,
-  ``logprobs``, and ``system`` with ``raw``.
+* ``tools`` on /api/chat (OpenAI's function list): rendered by the model's chat template (or
+  described in the system message), the calls the model writes returned as
+  ``message.tool_calls`` with the ``arguments`` as an object (streamed in one object once a
+  call is complete). Messages take ``tool_calls`` and ``role: "tool"`` results back
+  (``tool_name`` is accepted; the template sees the results in order).
+* Refused: a Go ``template``, ``suffix``, ``images``, ``context``, ``think``, ``tools`` on
+  /api/generate, ``logprobs``, and ``system`` with ``raw``.
 * ``keep_alive`` is accepted and has no effect: the model is loaded when the server starts
   and stays loaded until it stops (so ``load_duration`` is 0). A request without a prompt
   (or without messages) answers at once with ``done_reason: "load"``, as Ollama's does.
@@ -38,11 +43,13 @@ from datetime import datetime, timezone
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
+from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import ModelSpec
 
 from .engine import ContextOverflowError
 from .serve import FINISH, APIError, number, refuse_unknown, stop_strings
-from .types import DoneEvent, Grammar, Message, Request, SamplingParams, Stats, TokenEvent
+from .tool_calls import ToolCallStream, check_tools, parse_tool_calls, tool_request
+from .types import DoneEvent, Grammar, Message, Request, SamplingParams, Stats, TokenEvent, ToolCall
 
 if TYPE_CHECKING:
     from .serve import Handler
@@ -62,7 +69,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "think": (False,), "logprobs": (False,), "top_logprobs": (0,),
 }
 _GENERATE_FIELDS = {"model", "prompt", "system", "raw", "stream", "options", "keep_alive", "format"}
-_CHAT_FIELDS = {"model", "messages", "stream", "options", "keep_alive", "format"}
+_CHAT_FIELDS = {"model", "messages", "stream", "options", "keep_alive", "format", "tools"}
 _REFUSALS = {  # fields that deserve more than "remove it"
     "template": "llmlocal renders the model's own chat template and cannot run an Ollama 'template': "
                 "remove it, or send the whole prompt with \"raw\": true.",
@@ -105,7 +112,7 @@ def show(handler: Handler, body: dict[str, Any]) -> dict[str, Any]:
         "template": spec.chat_template or "",
         "details": summary["details"],
         "model_info": info,
-        "capabilities": ["completion"],
+        "capabilities": ["completion", "tools"] if engine.template.knows_tools else ["completion"],  # as Ollama: the template's
         "modified_at": summary["modified_at"],
     }
 
@@ -131,11 +138,12 @@ def chat(handler: Handler, body: dict[str, Any]) -> dict[str, Any] | None:
     _refuse(body, _CHAT_FIELDS)
     _check_model(handler, body.get("model"))
     messages = _messages(body.get("messages"))
-    reply = OllamaReply(handler.server.model_name, chat=True, t0=handler.t0)
+    tools = _tools(body.get("tools"))
+    reply = OllamaReply(handler.server.model_name, chat=True, t0=handler.t0, tools=bool(tools))
     if not messages:
         return reply.loaded()
     sampling, num_ctx = _sampling(body.get("options"), handler.engine.n_ctx, body.get("format"))
-    request = Request.chat(messages, sampling)
+    request = tool_request(handler.engine, messages, tools, sampling) if tools else Request.chat(messages, sampling)
     return handler.respond(_within(handler, request, num_ctx), reply, stream=_flag(body, "stream", True))
 
 
@@ -156,22 +164,30 @@ class OllamaReply:
     model: str
     chat: bool
     t0: float  # when the request arrived (perf_counter)
+    tools: bool = False  # read tool calls out of the reply
     content_type = "application/x-ndjson"
+    _calls: ToolCallStream = dataclasses.field(default_factory=ToolCallStream)  # when streaming with tools
 
     def opening(self) -> list[Any]:
         return []
 
     def token(self, event: TokenEvent) -> Any | None:
-        return self._object(event.text, done=False) if event.text else None
+        if not event.text:
+            return None
+        if self.tools:
+            return [self._piece(p) for p in self._calls.feed(event.text)] or None
+        return self._object(event.text, done=False)
 
     def done(self, event: DoneEvent) -> Any | None:
-        return self._final(event, "")  # the text went out in the tokens before
+        final = self._final(event, "")  # the text went out in the tokens before
+        return [*(self._piece(p) for p in self._calls.finish()), final] if self.tools else final
 
     def closing(self, done: list[DoneEvent]) -> list[Any]:
         return []
 
     def whole(self, done: list[DoneEvent]) -> dict[str, Any]:
-        return self._final(done[0], done[0].text)
+        content, calls = parse_tool_calls(done[0].text) if self.tools else (done[0].text, ())
+        return self._final(done[0], content or "", calls)
 
     def loaded(self) -> dict[str, Any]:
         return {**self._object("", done=True), "done_reason": "load"}
@@ -180,14 +196,21 @@ class OllamaReply:
         return {"error": message}
 
     def frame(self, item: Any) -> bytes:
+        if isinstance(item, list):  # several objects for one event (text, then a tool call)
+            return b"".join(self.frame(one) for one in item)
         return json.dumps(item, ensure_ascii=False).encode() + b"\n"
 
-    def _object(self, text: str, done: bool) -> dict[str, Any]:
+    def _object(self, text: str, done: bool, calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
         words = {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
+        if calls:  # Ollama gives the arguments as an object
+            words["message"]["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls]
         return {"model": self.model, "created_at": _rfc3339(time.time()), **words, "done": done}
 
-    def _final(self, event: DoneEvent, text: str) -> dict[str, Any]:
-        return {**self._object(text, done=True), "done_reason": FINISH[event.finish_reason], **self._timings(event.stats)}
+    def _piece(self, piece: str | ToolCall) -> dict[str, Any]:
+        return self._object(piece, done=False) if isinstance(piece, str) else self._object("", done=False, calls=(piece,))
+
+    def _final(self, event: DoneEvent, text: str, calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
+        return {**self._object(text, done=True, calls=calls), "done_reason": FINISH[event.finish_reason], **self._timings(event.stats)}
 
     def _timings(self, s: Stats) -> dict[str, int]:
         # The first token comes out of the prompt's forward pass: the prompt is evaluated until
@@ -234,11 +257,37 @@ def _messages(value: Any) -> list[Message]:
         raise APIError(400, "'messages' must be a list of {role, content} objects.")
     out = []
     for m in value:
-        refuse_unknown(m, {"role", "content"}, {"images": ([],), "tool_calls": ([],), "thinking": ("",)}, what="message field")
-        if not isinstance(m.get("content", ""), str):
+        refuse_unknown(m, {"role", "content", "tool_calls", "tool_name"}, {"images": ([],), "thinking": ("",)}, what="message field")
+        if not isinstance(m.get("content") or "", str):
             raise APIError(400, f"A {m.get('role')} message needs its 'content' as a string.")
-        out.append(Message(role=m.get("role"), content=m.get("content", "")))  # raises on an unknown role
+        calls = _message_calls(m.get("tool_calls"))
+        out.append(Message(role=m.get("role"), content=m.get("content") or "", tool_calls=calls))  # raises on an unknown role
     return out
+
+
+def _message_calls(value: Any) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls`` in Ollama's shape: [{function: {name, arguments: {...}}}]."""
+    if value is None:
+        return ()
+    shape = "A message's 'tool_calls' must be a list of {\"function\": {\"name\", \"arguments\"}}."
+    if not isinstance(value, list):
+        raise APIError(400, shape)
+    calls = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(400, shape)
+        arguments = function.get("arguments") or {}
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(id=f"call_{i}", name=function["name"], arguments=text))
+    return tuple(calls)
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    try:
+        return check_tools(value) if value else []
+    except LLMLocalError as e:
+        raise APIError(400, str(e), param="tools") from None
 
 
 def _grammar(format_: Any) -> Grammar | None:

@@ -9,7 +9,7 @@ from typing import Any, Literal, Mapping, Sequence, Union
 
 from llmlocal.models.errors import LLMLocalError
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "context", "cancelled"]
 # stop      the model ended its reply (end-of-generation token) or a stop string matched
 # length    max_tokens were generated
@@ -18,19 +18,38 @@ FinishReason = Literal["stop", "length", "context", "cancelled"]
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function the model calls: its name and its arguments as JSON text (OpenAI's shape)."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@dataclass(frozen=True)
 class Message:
+    """One turn of a chat. An assistant turn may call tools (``tool_calls``); a ``tool`` turn
+    is the result of the call ``tool_call_id``."""
+
     role: Role
-    content: str
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
     def __post_init__(self) -> None:
-        if self.role not in ("system", "user", "assistant"):
-            raise LLMLocalError(f"Unknown chat role '{self.role}': use system, user or assistant.")
+        if self.role not in ("system", "user", "assistant", "tool"):
+            raise LLMLocalError(f"Unknown chat role '{self.role}': use system, user, assistant or tool.")
+        if self.tool_calls and self.role != "assistant":
+            raise LLMLocalError(f"A {self.role} message cannot carry tool calls: only the assistant's can.")
+        object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
 
     @classmethod
-    def coerce(cls, value: Message | Mapping[str, str]) -> Message:
+    def coerce(cls, value: Message | Mapping[str, Any]) -> Message:
         if isinstance(value, Message):
             return value
-        return cls(role=value["role"], content=value["content"])  # type: ignore[arg-type]
+        calls = tuple(c if isinstance(c, ToolCall) else ToolCall(**c) for c in value.get("tool_calls") or ())
+        return cls(role=value["role"], content=value.get("content") or "", tool_calls=calls,  # type: ignore[arg-type]
+                   tool_call_id=value.get("tool_call_id"))
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives a token may report (OpenAI's limit)

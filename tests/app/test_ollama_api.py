@@ -161,11 +161,12 @@ def test_a_request_without_a_prompt_only_loads(served: OpenAIServer) -> None:
         ("/api/generate", {"images": ["aGk="]}, 400, "the field 'images'"),
         ("/api/generate", {"suffix": "return x"}, 400, "the field 'suffix'"),
         ("/api/generate", {"context": [1, 2, 3]}, 400, "the field 'context'"),
-        ("/api/chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "the field 'tools'"),
+        ("/api/generate", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "the field 'tools'"),  # chat only
+        ("/api/chat", {"tools": [{"type": "retrieval"}]}, 400, "llmlocal calls functions only"),
         ("/api/chat", {"think": True}, 400, "the field 'think'"),
         ("/api/chat", {"verbosity": 3}, 400, "the field 'verbosity'"),
         ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "message field 'images'"),
-        ("/api/chat", {"messages": [{"role": "tool", "content": "42"}]}, 400, "Unknown chat role 'tool'"),
+        ("/api/chat", {"messages": [{"role": "wizard", "content": "42"}]}, 400, "Unknown chat role 'wizard'"),
         ("/api/chat", {"stream": "yes"}, 400, "'stream' must be true or false"),
         ("/api/chat", {"model": "llama3:8b"}, 404, "this server serves 'smollm2-135m'"),
         ("/api/pull", {"model": "llama3"}, 404, "There is no POST /api/pull here"),
@@ -181,3 +182,30 @@ def test_a_prompt_over_the_window_is_a_400_before_the_stream_starts(served: Open
     with pytest.raises(urllib.error.HTTPError) as caught:
         ndjson(served.url + "/api/chat", {"messages": [{"role": "user", "content": "word " * 2100}]})
     assert caught.value.code == 400 and "context window is 2048" in json.loads(caught.value.read())["error"]
+
+
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"], "additionalProperties": False}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The time now in a time zone.", "parameters": TIME}}
+
+
+def test_chat_tools_come_back_as_tool_calls_with_object_arguments(served: OpenAIServer) -> None:
+    # Ollama has no tool_choice: `format` holds the starter to a Llama-style call, which the
+    # server reads back as a tool call, whole and streamed.
+    call = {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": TIME},
+            "required": ["name", "parameters"], "additionalProperties": False}
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "What time is it in Tokyo?"}], "tools": [TIME_TOOL],
+            "format": call, "options": {"temperature": 0, "num_predict": 64}}
+    status, out = post(served.url + "/api/chat", {**body, "stream": False})
+    assert status == 200 and out["done"] and out["message"]["content"] == "", out
+    [whole] = out["message"]["tool_calls"]
+    assert whole["function"]["name"] == "get_time" and isinstance(whole["function"]["arguments"]["zone"], str)
+    _, lines = ndjson(served.url + "/api/chat", body)
+    streamed = [c for line in lines for c in line["message"].get("tool_calls", [])]
+    assert streamed == [whole] and "".join(line["message"]["content"] for line in lines) == "" and lines[-1]["done"]
+
+    # The call and its result go back in (test_tools checks how they are rendered).
+    history = [*body["messages"], {"role": "assistant", "content": "", "tool_calls": [whole]},
+               {"role": "tool", "content": "09:30", "tool_name": "get_time"}]
+    status, out = post(served.url + "/api/chat", {"model": "smollm2-135m", "messages": history, "tools": [TIME_TOOL],
+                                                  "stream": False, "options": {"temperature": 0, "num_predict": 8}})
+    assert status == 200 and out["done"], out

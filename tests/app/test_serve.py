@@ -139,8 +139,8 @@ def test_bad_requests_get_openai_errors(served: OpenAIServer, path: str, body: A
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("/v1/chat/completions", "tool_choice", "auto"),
+        ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),  # chat only
+        ("/v1/completions", "tool_choice", "auto"),
         ("/v1/chat/completions", "logit_bias", {"42": 5}),
         ("/v1/chat/completions", "frequency_penalty", 0.5),
         ("/v1/chat/completions", "presence_penalty", 1),
@@ -165,8 +165,8 @@ def test_unimplemented_fields_are_named_together_and_defaults_pass(served: OpenA
     assert got == 400 and "the message field 'name'" in out["error"]["message"]
     got, out = post(served.url + "/v1/chat/completions", {"messages": QUESTION, "stream": True, "stream_options": {"continuous_usage_stats": True}})
     assert got == 400 and "'stream_options.continuous_usage_stats'" in out["error"]["message"]
-    got, out = post(served.url + "/v1/chat/completions", {"messages": QUESTION, "tools": [{}], "logit_bias": {"5": 1}, "seed": 1})
-    assert got == 400 and "the fields 'logit_bias', 'tools': remove them" in out["error"]["message"]
+    got, out = post(served.url + "/v1/chat/completions", {"messages": QUESTION, "modalities": ["audio"], "logit_bias": {"5": 1}, "seed": 1})
+    assert got == 400 and "the fields 'logit_bias', 'modalities': remove them" in out["error"]["message"]
     # Values that ask for nothing (what many clients send by default) are not refused.
     got, out = post(served.url + "/v1/chat/completions", {
         "messages": QUESTION, "max_tokens": 2, "tools": [], "tool_choice": "none", "logprobs": False, "frequency_penalty": 0,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from llmlocal.engine.chat_template import ChatTemplate, TemplateError
-from llmlocal.engine.types import Message
+from llmlocal.engine.types import Message, ToolCall
 
 
 def test_starter_template_renders_chatml_with_generation_prompt(engine) -> None:
@@ -35,3 +35,47 @@ def test_bad_role_is_rejected() -> None:
 
     with pytest.raises(LLMLocalError, match="Unknown chat role"):
         Message.coerce({"role": "wizard", "content": "x"})
+
+
+# A small template that reads tools the Hugging Face way (written for this test).
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS {% for t in tools %}{{ t.function | tojson }};{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m.role }}:"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}call {{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}"
+    "{% elif m.role == 'tool' %}result of {{ m.tool_call_id }}: {{ m.content }}"
+    "{% else %}{{ m.content }}{% endif %}{{ '\\n' }}{% endfor %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "Now, in <zone>.",
+                                           "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}]
+
+
+def test_a_template_that_knows_tools_gets_them_as_hugging_face_passes_them() -> None:
+    t = ChatTemplate(TOOL_TEMPLATE)
+    assert t.knows_tools and not ChatTemplate("{{ messages[0].content }}").knows_tools
+    messages = [Message("user", "Time?"), Message("assistant", "", (ToolCall("call_9", "get_time", '{"zone": "UTC"}'),)),
+                Message("tool", "12:00", tool_call_id="call_9")]
+    # tojson as Hugging Face's: keys in their order, "<" not escaped; arguments as an object.
+    assert t.render(messages, tools=TOOLS) == (
+        'TOOLS {"name": "get_time", "description": "Now, in <zone>.", "parameters": {"type": "object", '
+        '"properties": {"zone": {"type": "string"}}}};\n'
+        'user:Time?\nassistant:call call_9 get_time {"zone": "UTC"}\ntool:result of call_9: 12:00\n'
+    )
+    assert t.render([Message("user", "Time?")]) == "user:Time?\n"  # no tools: none shown
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message() -> None:
+    t = ChatTemplate("{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ '\\n' }}{% endfor %}")
+    messages = [Message("system", "Be brief."), Message("user", "Time?"),
+                Message("assistant", "Checking.", (ToolCall("c1", "get_time", '{"zone": "UTC"}'),)),
+                Message("tool", "12:00", tool_call_id="c1"), Message("tool", "13:00", tool_call_id="c2")]
+    text = t.render(messages, tools=TOOLS)
+    assert text.startswith("[system] Be brief.\n\n# Tools\n") and '"name": "get_time"' in text
+    assert '[assistant] Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n' in text
+    assert text.endswith("[user] <tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>\n")
+
+
+def test_only_the_assistant_calls_tools() -> None:
+    from llmlocal.models.errors import LLMLocalError
+
+    with pytest.raises(LLMLocalError, match="only the assistant's"):
+        Message("user", "x", (ToolCall("c", "f"),))
