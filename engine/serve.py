@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import sys
 import threading
 import time
 import traceback
@@ -125,6 +126,13 @@ class OpenAIServer(ThreadingHTTPServer):
         (`Stats` give the pool at a request's last step; a gauge wants it now, idle too.)"""
         blocks = getattr(self.engine.backend, "blocks", None)
         return None if blocks is None else (blocks.num_used_blocks, blocks.num_blocks)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up between requests is routine, not a traceback; anything else is
+        a bug and is printed as socketserver does."""
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
 
     def start(self) -> threading.Thread:
         """Serve from a background thread (tests, embedding); `shutdown()` stops it."""

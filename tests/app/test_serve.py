@@ -436,3 +436,16 @@ def wait_for_log(server: OpenAIServer, phrase: str, timeout: float = 120) -> str
                 return line
         time.sleep(0.05)
     raise AssertionError(f"no '{phrase}' in the server log: {server.log.getvalue()!r}")  # type: ignore[union-attr]
+
+
+def test_a_client_that_resets_its_connection_leaves_no_traceback(served: OpenAIServer, capfd: pytest.CaptureFixture[str]) -> None:
+    import struct
+
+    host, port = served.server_address[:2]
+    for _ in range(3):
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"200" in s.recv(4096)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    time.sleep(0.5)  # the server's thread reads the reset
+    assert "Traceback" not in capfd.readouterr().err
