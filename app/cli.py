@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -18,7 +19,7 @@ from llmlocal.models.errors import LLMLocalError
 
 from .options import fill_from_config
 
-COMMANDS = ("chat", "run", "bench", "quantize", "models", "serve", "plan", "config", "doctor")
+COMMANDS = ("chat", "run", "bench", "quantize", "models", "serve", "plan", "config", "doctor", "completion")
 
 
 class Parser(argparse.ArgumentParser):
@@ -61,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    if argv is None and "_ARGCOMPLETE" in os.environ:  # a shell asks for completions (`llmlocal completion`)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)  # prints them and exits
     try:
         args = parser.parse_args(argv)  # reads the config file: its errors are the user's to fix
         if args.command is None:

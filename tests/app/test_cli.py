@@ -149,3 +149,22 @@ def test_run_structured_output_errors_are_one_sentence(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     assert_user_error(llmlocal("run", "Hi", "--json-schema", str(tmp_path / "bad.json")), "not valid JSON")
     assert_user_error(llmlocal("run", "Hi", "--regex", "[a-"), "regex grammar does not compile")
+
+
+def complete(line: str, tmp_path: Path) -> list[str]:
+    """What the shell would offer after ``line``, asked of llmlocal as the completion script asks."""
+    out = tmp_path / "completions"
+    env = dict(os.environ, _ARGCOMPLETE="1", _ARGCOMPLETE_IFS="\n", COMP_LINE=line, COMP_POINT=str(len(line)),
+               _ARGCOMPLETE_STDOUT_FILENAME=str(out))
+    result = subprocess.run(LLMLOCAL, capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return out.read_text().split("\n")
+
+
+def test_shell_completion_scripts_and_completions(tmp_path: Path) -> None:
+    for shell, marker in (("bash", "complete "), ("zsh", "#compdef llmlocal"), ("fish", "complete --command llmlocal")):
+        result = llmlocal("completion", shell)
+        assert result.returncode == 0 and marker in result.stdout, (shell, result.stdout[:200])
+    assert [c.strip() for c in complete("llmlocal ru", tmp_path)] == ["run"]
+    assert {c.strip() for c in complete("llmlocal run --backend ", tmp_path)} == {"auto", "llamacpp", "paged", "sparse"}
+    assert "--json-schema" in [c.strip() for c in complete("llmlocal run --json-", tmp_path)]
