@@ -66,6 +66,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                    help="context window in tokens (default: the model's, up to 8192)")
     g.add_argument("--threads", type=int, default=FromConfig("threads"), metavar="N",
                    help="CPU threads (default: physical cores)")
+    g.add_argument("--chat-template", default=None, metavar="FILE|NAME",
+                   help="render chats with this Jinja template file, or a named one (chatml), "
+                        "instead of the model's own")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the paged backend runs (default: CUDA if present)")
     g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
@@ -134,6 +137,7 @@ def base_plan_from_args(args: argparse.Namespace) -> Plan:
         draft=args.draft,
         draft_k=args.draft_k,
         sparsity=args.sparsity,
+        chat_template=getattr(args, "chat_template", None),
         endpoint=args.endpoint,
         api_key=args.api_key,
     )

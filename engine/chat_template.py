@@ -34,8 +34,32 @@ CHATML_TEMPLATE = (
 )
 
 
+# Chat templates by name, for `--chat-template NAME` (a model without one falls back to ChatML).
+BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE}
+
+
 class TemplateError(LLMLocalError):
     """The model's chat template could not render the conversation."""
+
+
+def template_source(choice: str | None, model_template: str | None) -> tuple[str, str]:
+    """(Jinja source, where it came from) for ``--chat-template`` ``choice`` (a name of
+    `BUILTIN_TEMPLATES` or a file), else the model's own, else ChatML."""
+    if choice is None:
+        if model_template:
+            return model_template, "the model's"
+        return CHATML_TEMPLATE, "chatml (the model carries no chat template; choose one with --chat-template)"
+    if choice in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[choice], choice
+    try:
+        with open(choice, encoding="utf-8") as f:
+            return f.read(), choice
+    except OSError as e:
+        names = ", ".join(BUILTIN_TEMPLATES)
+        raise TemplateError(
+            f"--chat-template {choice} is neither a template name ({names}) nor a readable file ({e.strerror}): "
+            "pass a name or the path of a Jinja template."
+        ) from None
 
 
 def _raise_exception(message: str) -> None:
@@ -64,7 +88,8 @@ class ChatTemplate:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False,
+                                            extensions=["jinja2.ext.loopcontrols"])  # {% break %}, {% continue %}
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson

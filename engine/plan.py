@@ -39,6 +39,8 @@ class Plan:
     # speculative decoding (paged backend)
     draft: str | None = None  # draft model name/path, or "ngram" for prompt lookup
     draft_k: int | None = None  # tokens proposed per step (None: adaptive)
+    # prompts
+    chat_template: str | None = None  # a template name or Jinja file instead of the model's own
     # sparse backend
     sparsity: float | None = None  # None: the model's calibrated level; 0 is dense
     # remote backend: an OpenAI-compatible server

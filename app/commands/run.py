@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     ]
 
     with Engine.load(plan) as engine:
+        if engine.template_notice:
+            print(f"llmlocal: {engine.template_notice}", file=sys.stderr)
         request = Request.chat(messages, sampling)
         stream = engine.generate(request)
         done: DoneEvent | None = None

@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         plan = plan.replace(max_batch=args.parallel)
 
     engine = Engine.load(plan)
+    if engine.template_notice:
+        print(f"llmlocal: {engine.template_notice}", file=sys.stderr)
     try:
         if args.parallel is not None and args.parallel > 1 and engine.backend_name == "llamacpp":
             raise LLMLocalError(_NO_PARALLEL)  # `auto` chose llama.cpp for this model

@@ -168,3 +168,12 @@ def test_shell_completion_scripts_and_completions(tmp_path: Path) -> None:
     assert [c.strip() for c in complete("llmlocal ru", tmp_path)] == ["run"]
     assert {c.strip() for c in complete("llmlocal run --backend ", tmp_path)} == {"auto", "llamacpp", "paged", "sparse"}
     assert "--json-schema" in [c.strip() for c in complete("llmlocal run --json-", tmp_path)]
+
+
+def test_run_with_a_chat_template_file(tmp_path: Path) -> None:
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}Answer:{% endif %}")
+    own = json.loads(llmlocal("run", "Hi", "-t", "0", "-n", "4", "--json").stdout)
+    chosen = json.loads(llmlocal("run", "Hi", "-t", "0", "-n", "4", "--json", "--chat-template", str(template)).stdout)
+    assert chosen["prompt_tokens"] < own["prompt_tokens"]  # no system prompt, no role markers
+    assert_user_error(llmlocal("run", "Hi", "--chat-template", str(tmp_path / "none.jinja")), "neither a template name")

@@ -79,3 +79,22 @@ def test_only_the_assistant_calls_tools() -> None:
 
     with pytest.raises(LLMLocalError, match="only the assistant's"):
         Message("user", "x", (ToolCall("c", "f"),))
+
+
+def test_loop_controls_render_as_in_hugging_face() -> None:
+    source = ("{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+              "{{ m['content'] }};{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}")
+    messages = [Message("system", "s"), Message("user", "a"), Message("assistant", "b"), Message("user", "c"), Message("user", "d")]
+    assert ChatTemplate(source).render(messages, add_generation_prompt=False) == "a;b;"
+
+
+def test_chat_template_choice_file_name_and_fallback(tmp_path) -> None:
+    from llmlocal.engine.chat_template import CHATML_TEMPLATE, TemplateError, template_source
+
+    assert template_source(None, "{{ x }}") == ("{{ x }}", "the model's")
+    assert template_source(None, None)[0] == CHATML_TEMPLATE and "carries no chat template" in template_source(None, None)[1]
+    assert template_source("chatml", "{{ x }}") == (CHATML_TEMPLATE, "chatml")
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert template_source(str(tmp_path / "t.jinja"), "{{ x }}")[0] == "{{ messages[0]['content'] }}!"
+    with pytest.raises(TemplateError, match="neither a template name"):
+        template_source(str(tmp_path / "missing.jinja"), None)
