@@ -50,4 +50,14 @@ d = json.loads(sys.argv[1])
 assert d["backend"] == "llamacpp" and d["completion_tokens"] > 0 and d["text"].strip(), d
 PY
 "$work/venv/bin/llmlocal" --version
+
+echo "== doctor: the installed versions and the native kernels that loaded"
+report=$("$work/venv/bin/llmlocal" doctor --json)
+"$python" - "$report" <<'PY'
+import json, sys
+d = json.loads(sys.argv[1])
+text = json.dumps(d)
+assert "llama-cpp-python" in text and "torch" in text, d
+assert any(isa in text for isa in ('"avx512"', '"avx2"', '"scalar"')), "doctor names no kernel ISA"
+PY
 echo "== smoke test passed"
