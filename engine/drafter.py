@@ -19,6 +19,7 @@ import torch
 
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepItem
+from .grammar import Constraint, mask_logits
 from .sampling import apply_repeat_penalty, filtered_probs
 from .sequence import Sequence
 from .types import SamplingParams
@@ -32,6 +33,7 @@ class DraftRequest:
     k: int  # tokens wanted (the drafter may return fewer)
     params: SamplingParams
     generator: torch.Generator | None
+    constraint: Constraint | None = None  # the request's grammar: drafts follow it too
 
 
 @dataclass
@@ -112,6 +114,15 @@ class DraftModel:
 
     def _propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in requests]
+        advanced = [0] * len(requests)  # drafts each request's grammar was told of
+        try:
+            return self._draft(requests, tokens, advanced)
+        finally:  # a grammar's state is the sequence's again, whatever was drafted
+            for r, n in zip(requests, advanced):
+                if r.constraint is not None:
+                    r.constraint.rollback(n)
+
+    def _draft(self, requests: list[DraftRequest], tokens: list[list[int]], advanced: list[int]) -> list[Proposal]:
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, r in enumerate(requests) if r.k > 0 and self._sync(r.seq, r.k)]
         self.last_passes = self.last_tokens = 0
@@ -135,12 +146,18 @@ class DraftModel:
                 if row is None:  # a long catch-up continues next pass
                     still.append(i)
                     continue
+                if r.constraint is not None:  # a draft the grammar forbids would only be rejected
+                    mask_logits(logits[row], r.constraint.allowed())
                 token, q = _draw(logits[row], r.params, m.token_ids, r.generator)
+                ends = r.constraint is not None and r.constraint.ends(token)
+                if r.constraint is not None and not ends:
+                    r.constraint.advance(token)
+                    advanced[i] += 1
                 m.append_token(token)
                 tokens[i].append(token)
                 if q is not None:
                     probs[i].append(q)
-                if len(tokens[i]) < r.k and self.blocks.can_append(m, 1):
+                if not ends and len(tokens[i]) < r.k and self.blocks.can_append(m, 1):
                     copy = self.blocks.append_slots(m, 1)
                     if copy is not None:
                         self.runner.copy_blocks([(copy.src, copy.dst)])

@@ -65,9 +65,10 @@ def _one_line(error: str) -> str:
 class Constraint:
     """One reply's place in its grammar."""
 
-    def __init__(self, matcher: Any, n_vocab: int) -> None:
+    def __init__(self, matcher: Any, n_vocab: int, end_ids: frozenset[int]) -> None:
         self._matcher = matcher
         self._n_vocab = n_vocab
+        self._end_ids = end_ids  # end-of-generation tokens: the reply stops there, the grammar is not told
         self._words = np.empty((n_vocab + 31) // 32, dtype=np.int32)
 
     def allowed(self) -> np.ndarray:
@@ -83,7 +84,7 @@ class Constraint:
         masks: list[np.ndarray | None] = [self.allowed()]
         consumed = 0
         for token in drafts:
-            if not masks[-1][token] or not self._matcher.consume_token(token):  # type: ignore[index]
+            if self.ends(token) or not masks[-1][token] or not self._matcher.consume_token(token):  # type: ignore[index]
                 break
             consumed += 1
             masks.append(self.allowed())
@@ -91,10 +92,22 @@ class Constraint:
             self._matcher.rollback(consumed)
         return masks + [None] * (len(drafts) + 1 - len(masks))
 
+    def ends(self, token: int) -> bool:
+        """``token`` ends the reply (an end-of-generation token the grammar allowed)."""
+        return token in self._end_ids
+
     def advance(self, token: int) -> None:
-        """The reply goes on with ``token`` (one the last mask allowed)."""
+        """The reply goes on with ``token`` (one the last mask allowed). An end-of-generation
+        token is not passed on: the reply stops there, and llguidance cannot take one back."""
+        if self.ends(token):
+            return
         if not self._matcher.consume_token(token):
             raise AssertionError(f"token {token} was sampled outside the grammar: {self._matcher.get_error()}")
+
+    def rollback(self, count: int) -> None:
+        """Take back the last ``count`` tokens (drafts that were only proposed)."""
+        if count and not self._matcher.rollback(count):
+            raise AssertionError(f"the grammar could not take back {count} tokens: {self._matcher.get_error()}")
 
     @property
     def accepting(self) -> bool:
@@ -106,8 +119,9 @@ class TokenMasks:
     """A model's vocabulary as llguidance sees it, built on first use (about a second for
     150k tokens) and kept for the model's lifetime."""
 
-    def __init__(self, build: Callable[[], Any], n_vocab: int) -> None:
+    def __init__(self, build: Callable[[], Any], n_vocab: int, eog_ids: Sequence[int]) -> None:
         self._build = build
+        self._end_ids = frozenset(eog_ids)
         self._tokenizer: Any = None
         self._lock = threading.Lock()
         self.n_vocab = n_vocab
@@ -123,7 +137,7 @@ class TokenMasks:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 return lltokenizer_from_vocab(vocab, n_vocab=n_vocab, eos_token=sorted(eog_ids))
 
-        return cls(build, n_vocab)
+        return cls(build, n_vocab, eog_ids)
 
     @classmethod
     def for_hf_tokenizer(cls, tokenizer_json: str, n_vocab: int, eog_ids: Sequence[int]) -> TokenMasks:
@@ -134,7 +148,7 @@ class TokenMasks:
 
             return LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=sorted(eog_ids))
 
-        return cls(build, n_vocab)
+        return cls(build, n_vocab, eog_ids)
 
     def _lltokenizer(self) -> Any:
         with self._lock:
@@ -152,7 +166,7 @@ class TokenMasks:
             raise LLMLocalError(
                 f"The {grammar.kind.replace('_', ' ')} grammar does not compile ({_one_line(matcher.get_error())}): fix it."
             )
-        return Constraint(matcher, self.n_vocab)
+        return Constraint(matcher, self.n_vocab, self._end_ids)
 
 
 def mask_logits(logits: Any, allowed: np.ndarray) -> None:

@@ -453,7 +453,7 @@ class PagedBackend:
         for seq in decoding:
             if ks[seq.seq_id] > 0:
                 stream: _Stream = seq.extra  # type: ignore[assignment]
-                requests.append(DraftRequest(seq, ks[seq.seq_id], stream.request.sampling, stream.generator))
+                requests.append(DraftRequest(seq, ks[seq.seq_id], stream.request.sampling, stream.generator, stream.constraint))
         if not requests:
             return
         t0 = time.perf_counter()

@@ -171,3 +171,18 @@ def test_speculative_decoding_under_a_grammar_gives_the_plain_output(paged: Engi
         assert (s.accepted_tokens or 0) < s.drafted_tokens / 2
     else:
         assert s.acceptance_rate == 1.0
+
+
+def test_a_draft_model_proposes_under_the_grammar() -> None:
+    # an fp32 target, as in test_speculative: its rows come out the same verified or alone, so
+    # greedy output must be identical (the INT4 starter's Q8_0 head rounds by batch)
+    target = Plan(backend="paged", n_ctx=1024, weights="dense", dtype="fp32")
+    request = Request.chat(ASK, constrained(Grammar.json_schema(PERSON)))
+    with Engine.load(target) as plain:
+        expected = ids(plain, request)
+    with Engine.load(target.replace(draft="smollm2-135m", draft_k=4)) as e:
+        reply = done(e, Request.chat(ASK, constrained(Grammar.json_schema(PERSON))))
+        assert ids(e, Request.chat(ASK, constrained(Grammar.json_schema(PERSON)))) == expected
+    # the draft is the model itself as INT4 weights: drafted under the grammar, nearly every
+    # draft is the target's own choice
+    assert reply.stats.drafted_tokens and (reply.stats.acceptance_rate or 0) > 0.8, reply.stats
