@@ -55,7 +55,6 @@ attention), a 400 MiB CUDA context and 5% allocator slack.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -460,7 +459,7 @@ def total_bytes(devices: list[DeviceMemory]) -> int:
 
 
 def gib(n: float) -> str:
-    """Bytes as a short human figure: 9.1 GB, 512 MB (powers of 1024, as `free -h`)."""
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.1f} GB"
-    return f"{math.ceil(n / MIB)} MB"
+    """Bytes as a short human figure (9.1 GiB, 512 MiB): llmlocal's one size formatter."""
+    from llmlocal.models.sizes import format_size
+
+    return format_size(n)

@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.sizes import format_size
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .hardware import Hardware
-from .memory_model import DeviceMemory, estimate, gib
+from .memory_model import DeviceMemory, estimate
 from .plan import DEFAULT_MAX_CTX, Plan, paged_kv_dtype
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class Candidate:
         slots = p.kv_blocks // -(-p.n_ctx // p.block_size) if p.backend == "paged" and p.kv_blocks else 0
         extra = f", {slots} slot{'s' if slots > 1 else ''}" if slots else ""
         draft = ", draft" if p.draft else ""
-        return f"{p.backend} {self.placement}, {self.quant}, context {p.n_ctx}, KV {kv}{extra}{draft} ({gib(self.total)})"
+        return f"{p.backend} {self.placement}, {self.quant}, context {p.n_ctx}, KV {kv}{extra}{draft} ({format_size(self.total)})"
 
     def to_dict(self) -> dict[str, Any]:
         p = self.plan
@@ -375,8 +376,8 @@ def _reasons(best: Candidate, others: list[Candidate], ranked: list[Candidate], 
     for d in best.devices:
         budget = best.budgets[d.device]
         out.append(
-            f"{d.device}: needs {gib(d.need)} of {gib(budget)} available "
-            f"({gib(budget - usable_budget(budget))} kept free as a margin)"
+            f"{d.device}: needs {format_size(d.need)} of {format_size(budget)} available "
+            f"({format_size(budget - usable_budget(budget))} kept free as a margin)"
         )
     spec = best.spec
     if p.backend == "llamacpp" and p.gpu_layers and p.gpu_layers <= spec.n_layers:
@@ -446,8 +447,8 @@ def _nothing_fits(
     worst = max(closest.devices, key=lambda d: d.need - usable_budget(closest.budgets[d.device]))
     budget = closest.budgets[worst.device]
     needs = (
-        f"needs {gib(worst.need)} on {worst.device} at context {closest.plan.n_ctx}, and {gib(budget)} is free "
-        f"({gib(budget - usable_budget(budget))} of it kept as a margin)"
+        f"needs {format_size(worst.need)} on {worst.device} at context {closest.plan.n_ctx}, and {format_size(budget)} is free "
+        f"({format_size(budget - usable_budget(budget))} of it kept as a margin)"
     )
     # the nearest fix: drop one pin at a time and see what fits
     for name, label in (("n_ctx", "--ctx"), ("gpu_layers", "--gpu-layers"), ("backend", "--backend"), ("draft", "--draft"), ("kv_blocks", "--kv-blocks"), ("device", "--device")):

@@ -20,8 +20,12 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from .errors import LLMLocalError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    from .progress import Progress
 
 # org/repo as the Hub allows it, then optional @revision and :selector.
 _HUB_NAME = re.compile(
@@ -246,8 +250,9 @@ class Download:
     from_cache: bool  # nothing had to be fetched (offline, already there)
 
 
-def download(name: HubName, *, token: str | None = None) -> Download:
-    """Fetch what ``name`` needs into the cache (resumable; huggingface_hub's progress bars).
+def download(name: HubName, *, token: str | None = None, stream: TextIO | None = None) -> Download:
+    """Fetch what ``name`` needs into the cache (resumable), showing llmlocal's progress bar on
+    ``stream`` (default stderr; a terminal gets a bar, anything else a line every tenth).
 
     Offline (``HF_HUB_OFFLINE``) a cached model is returned as is and a missing one raises.
     """
@@ -268,7 +273,13 @@ def download(name: HubName, *, token: str | None = None) -> Download:
     else:
         key, wanted = select_gguf(name, files, where="the repo")
         canonical, kind = str(name.with_selector(key)), "gguf"
-    snap = _snapshot_download(name, list(wanted), token)
+    from .progress import Progress
+
+    progress = Progress(f"downloading {canonical}", 0, stream=stream)
+    try:
+        snap = _snapshot_download(name, list(wanted), token, progress)
+    finally:
+        progress.close()
     path = snap if kind == "checkpoint" else snap / wanted[0]
     return Download(canonical, path, kind, wanted, from_cache=False)
 
@@ -330,10 +341,12 @@ def _repo_files(name: HubName, token: str | None) -> list[str]:
     return sorted(s.rfilename for s in info.siblings or ())
 
 
-def _snapshot_download(name: HubName, files: list[str], token: str | None) -> Path:
+def _snapshot_download(name: HubName, files: list[str], token: str | None, progress: Progress) -> Path:
     # snapshot_download fetches the files in parallel into blobs/<hash>.incomplete (resumed on
-    # the next try), links them into snapshots/<commit>/ and draws a progress bar per file.
+    # the next try) and links them into snapshots/<commit>/; its bars report into ``progress``.
     from huggingface_hub import snapshot_download
+
+    from .progress import hub_progress_class
 
     try:
         return Path(
@@ -343,6 +356,7 @@ def _snapshot_download(name: HubName, files: list[str], token: str | None) -> Pa
                 cache_dir=cache_dir(),
                 allow_patterns=files,
                 token=token,
+                tqdm_class=hub_progress_class(progress),
             )
         )
     except Exception as e:

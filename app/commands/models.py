@@ -28,6 +28,8 @@ import json
 import sys
 from typing import Any
 
+from llmlocal.models.sizes import format_size
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -106,7 +108,7 @@ def _list(args: argparse.Namespace) -> int:
     for m in models:
         rows.append((
             m.name,
-            human_size(m.size_bytes),
+            format_size(m.size_bytes),
             m.quant or "-",
             m.arch or "-",
             f"{m.context_length:,}" if m.context_length else "-",
@@ -135,13 +137,6 @@ def _model_dict(m: Any) -> dict[str, Any]:
     return d
 
 
-def human_size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 # ---- pull -------------------------------------------------------------------------------
 def _pull(args: argparse.Namespace) -> int:
     from llmlocal.models.store import pull
@@ -152,7 +147,7 @@ def _pull(args: argparse.Namespace) -> int:
         print(json.dumps({**_model_dict(m), "kind": got.kind, "from_cache": got.from_cache}, ensure_ascii=False))
         return 0
     verb = "Already downloaded" if got.from_cache else "Downloaded"
-    print(f"{verb}: {m.name} ({human_size(m.size_bytes)}) in {m.path}.")
+    print(f"{verb}: {m.name} ({format_size(m.size_bytes)}) in {m.path}.")
     if got.kind == "checkpoint":
         print(
             f"{m.name} is a safetensors checkpoint: make a GGUF with `llmlocal quantize {m.repo_id}` "
@@ -195,7 +190,7 @@ def _rm(args: argparse.Namespace) -> int:
     from llmlocal.models.store import plan_removal
 
     stored, strategy = plan_removal(args.name)
-    size = human_size(strategy.expected_freed_size)
+    size = format_size(strategy.expected_freed_size)
     if not args.yes:
         if not sys.stdin.isatty():
             raise LLMLocalError(f"Removing {stored.name} frees {size}: pass --yes to remove it without a question.")
@@ -230,10 +225,10 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     print(f"{model.name}")
     if stored is not None:
-        print(f"  {'source':<18}{stored.source}, {human_size(stored.size_bytes)} on disk")
+        print(f"  {'source':<18}{stored.source}, {format_size(stored.size_bytes)} on disk")
     for key, value in summary.items():
         if key == "tensor_types":
-            value = ", ".join(f"{t} {human_size(n)}" for t, n in value.items())
+            value = ", ".join(f"{t} {format_size(n)}" for t, n in value.items())
         elif key in ("params", "weight_bytes"):
             value = f"{value:,}"
         print(f"  {key:<18}{value}")

@@ -98,9 +98,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_result_dict(result), ensure_ascii=False))
         return 0
+    from llmlocal.models.sizes import format_size
+
     types = ", ".join(f"{n} {t}" for t, n in result.tensor_types.items())
     print(
-        f"Wrote {result.output}: {result.type}, {result.output_bytes / 1e6:,.1f} MB, "
+        f"Wrote {result.output}: {result.type}, {format_size(result.output_bytes)}, "
         f"{result.bits_per_weight:.2f} bits per weight, in {result.seconds:.1f} s (tensors: {types})."
     )
     if result.sparsity is not None:

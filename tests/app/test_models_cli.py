@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 
 from hf_cache import tiny_checkpoint_files, write_cached_repo
 from llmlocal.app.cli import main
+from llmlocal.models.sizes import format_size
 
 REPO = "test-org/Tiny-GGUF"
 
@@ -87,7 +88,8 @@ def test_rm_asks_for_yes_without_a_terminal_then_frees_the_space(cache: Path, ca
     assert code == 2 and "pass --yes" in err and q8.exists()
     code, out, _ = run(capsys, "models", "rm", f"{REPO}:Q8_0", "--yes")
     assert code == 0 and not q8.exists()
-    assert out.strip() == f"Removed {REPO}:Q8_0: freed {size / 1e3:.1f} kB."
+    assert out.strip() == f"Removed {REPO}:Q8_0: freed {format_size(size)}."
+    assert format_size(size).endswith(" KiB")  # binary units, as every size llmlocal shows
 
 
 def test_offline_pull_and_missing_models_are_one_sentence(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -44,8 +44,8 @@ def test_plan_prints_a_bar_reasons_and_alternatives() -> None:
     out = result.stdout
     assert out.startswith("smollm2-135m: llamacpp on the CPU, Q4_1, context 8192")
     bar = next(line for line in out.splitlines() if line.startswith("cpu "))
-    assert "[" in bar and "|" in bar and "of 2.0 GB" in bar
-    assert "█ weights 93 MB" in out and "▓ KV cache 180 MB" in out
+    assert "[" in bar and "|" in bar and "of 2.0 GiB" in bar
+    assert "█ weights 92.1 MiB" in out and "▓ KV cache 180 MiB" in out
     assert "- cpu: needs" in out and "alternatives:" in out
 
 
@@ -62,7 +62,7 @@ def test_too_small_a_budget_is_one_sentence_with_the_numbers() -> None:
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "needs" in lines[0] and "60 MB is free" in lines[0]
+    assert len(lines) == 1 and "needs" in lines[0] and "60.0 MiB is free" in lines[0]
 
 
 def test_run_refuses_before_loading_when_nothing_fits() -> None:

@@ -14,10 +14,11 @@ import json
 import pytest
 from llmlocal.engine import Plan
 from llmlocal.engine.hardware import GPU, Hardware
-from llmlocal.engine.memory_model import estimate, gib
+from llmlocal.engine.memory_model import estimate
 from llmlocal.engine.planner import NothingFitsError, Pins, choose, usable_budget
 from llmlocal.models import ModelSpec, TensorInfo
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.sizes import format_size
 from llmlocal.models.spec import SpecialTokens
 
 GIB = 1 << 30
@@ -165,7 +166,7 @@ def test_nothing_fits_is_one_sentence_with_the_numbers_and_a_fix() -> None:
     msg = str(e.value)
     assert msg.count(". ") == 0 and msg.endswith(".")
     (smallest,) = estimate(llama_70b("Q4_K_M"), Plan(backend="llamacpp", device="cpu", n_ctx=512, kv_dtype="q8_0"), AVX2)
-    assert f"needs {gib(smallest.need)} on cpu at context 512" in msg and "5.5 GB is free" in msg
+    assert f"needs {format_size(smallest.need)} on cpu at context 512" in msg and "5.5 GiB is free" in msg
     assert "use a smaller model, or a smaller quant than Q4_K_M" in msg
     with pytest.raises(NothingFitsError, match="use a smaller quant such as q4_k_m"):
         choose([llama_70b("Q8_0")], LAPTOP_8GB)
