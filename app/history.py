@@ -264,6 +264,16 @@ class ChatStore:
             db.execute("DELETE FROM messages WHERE chat_id = ?", (chat_id,))
             db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
 
+    def delete_chats(self, chat_ids: list[int]) -> None:
+        """Delete several chats, all or none: an unknown id deletes nothing."""
+        with self._tx() as db:
+            for chat_id in chat_ids:
+                if db.execute("SELECT 1 FROM chats WHERE id = ?", (chat_id,)).fetchone() is None:
+                    raise KeyError(f"no chat {chat_id}")
+            for chat_id in chat_ids:
+                db.execute("DELETE FROM messages WHERE chat_id = ?", (chat_id,))
+                db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+
     def message_count(self, chat_id: int) -> int:
         with self._lock:
             return int(self._db.execute("SELECT count(*) FROM messages WHERE chat_id = ?", (chat_id,)).fetchone()[0])
@@ -340,6 +350,43 @@ class ChatStore:
             ).fetchone()
             shown = self.newest_leaf(sibling["id"]) if sibling else parent_id
             db.execute("UPDATE chats SET active_leaf = ? WHERE id = ?", (shown, chat_id))
+
+    def chat_messages(self, chat_id: int) -> list[StoredMessage]:
+        """Every message of a chat, in all its branches, oldest first (a parent before its
+        children: a child is always added after its parent)."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,)).fetchall()
+        return [_message(r) for r in rows]
+
+    # ---- restoring -----------------------------------------------------------------------
+    def restore_chats(self, chats: list[tuple[Chat, list[StoredMessage]]]) -> list[int]:
+        """Store chats read back from an export as new chats (new ids), all or none, keeping
+        their titles, settings, timestamps, every branch and the branch shown. Message ids
+        and parent ids are the export's own, each message after its parent."""
+        with self._tx() as db:
+            return [self._restore_chat(db, chat, messages) for chat, messages in chats]
+
+    def _restore_chat(self, db: sqlite3.Connection, chat: Chat, messages: list[StoredMessage]) -> int:
+        cur = db.execute(
+            "INSERT INTO chats (title, created_at, updated_at, system_prompt, sampling, model) VALUES (?, ?, ?, ?, ?, ?)",
+            (chat.title, chat.created_at, chat.updated_at, chat.system_prompt, json.dumps(chat.sampling), chat.model),
+        )
+        chat_id = int(cur.lastrowid or 0)
+        new_ids: dict[int, int] = {}  # the export's message id -> the stored one
+        for m in messages:
+            if m.parent_id is not None and m.parent_id not in new_ids:
+                raise LLMLocalError(f"Message {m.id} comes before its parent {m.parent_id}: export the chat again.")
+            cur = db.execute(
+                "INSERT INTO messages (chat_id, parent_id, role, content, status, finish_reason, model, stats, "
+                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, new_ids.get(m.parent_id) if m.parent_id is not None else None, m.role, m.content,
+                 m.status, m.finish_reason, m.model, json.dumps(m.stats) if m.stats is not None else None,
+                 m.created_at, m.updated_at),
+            )
+            new_ids[m.id] = int(cur.lastrowid or 0)
+        leaf = new_ids.get(chat.active_leaf) if chat.active_leaf is not None else None
+        db.execute("UPDATE chats SET active_leaf = ? WHERE id = ?", (leaf, chat_id))
+        return chat_id
 
     # ---- branches ------------------------------------------------------------------------
     def conversation(self, chat_id: int) -> Conversation:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from llmlocal.models.errors import LLMLocalError
@@ -21,7 +22,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Input, Static
 
-from ..history import Chat, ChatStore, StoredMessage
+from ..history import Chat, ChatStore, Conversation, StoredMessage, data_dir
 from .chat_list import ChatItems, ChatList
 from .conversation import ConversationView, MessageView
 from .dialogs import ConfirmScreen, TextPromptScreen
@@ -55,6 +56,8 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
         Binding("ctrl+f", "search", "Search", tooltip="Search chats by title and content"),
         Binding("f4", "rename_chat", "Rename chat", show=False),
         Binding("f8", "delete_chat", "Delete chat", show=False, tooltip="Delete this chat (asks first)"),
+        Binding("f5", "export_chat", "Export chat", show=False,
+                tooltip="Export this chat to Markdown in the current directory"),
         Binding("ctrl+up", "focus_message(-1)", "Previous message", show=False),
         Binding("ctrl+down", "focus_message(1)", "Next message", show=False),
         Binding("ctrl+l", "focus_prompt", "Message box", show=False, tooltip="Back to the message box"),
@@ -85,6 +88,7 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
         self.owned: list[Engine] = []  # engines this app loaded, and so closes
         self.retired: list[Engine] = []  # replaced engines, closed once no request uses them
         self.loading: str | None = None  # name of the model being loaded
+        self.following: str | None = None  # a reopened chat's model, being loaded for it
         self.store = store if store is not None else ChatStore.open()
         self._owns_store = store is None
         self.chat: Chat | None = None  # None: a new chat, stored when its first message is sent
@@ -125,14 +129,15 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
         self.query_one("#edit-banner").display = False
         chats = self.store.list_chats()
         if chats and self.first_message is None:
-            await self.open_chat(chats[0].id)
+            await self.open_chat(chats[0].id, follow=False)
         else:
             await self.new_chat()
         self.prompt.focus()
-        if self.engine is None:
-            self.load_model(None)
-        else:
+        if self.engine is not None:
             await self.on_engine_loaded(EngineLoaded(self.engine))
+        await self.follow_chat_model()  # the reopened chat's own model, if it has another
+        if self.engine is None and self.loading is None:
+            self.load_model(None)
 
     async def on_unmount(self) -> None:
         self.closing = True
@@ -154,7 +159,8 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
         sidebar = self.query_one(ChatList)
         await sidebar.show(self.store.list_chats(sidebar.query_text), self.chat.id if self.chat else None)
 
-    async def open_chat(self, chat_id: int) -> None:
+    async def open_chat(self, chat_id: int, follow: bool = True) -> None:
+        """Show a chat; ``follow``: and load the model it was held with (`follow_chat_model`)."""
         await self.leave_reply()
         self.stop_editing()
         self.chat = self.store.get_chat(chat_id)
@@ -165,11 +171,8 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
             self.notify(f"This chat's stored settings are invalid ({e}); using the defaults.", severity="warning")
         await self.show_branch()
         await self.refresh_sidebar()
-        model = self.engine.model.name if self.engine else None
-        if self.chat.model and model and self.chat.model != model:
-            await self.conversation.notice(
-                f"This chat last used {self.chat.model}; replies now come from {model} (F2 switches the model)."
-            )
+        if follow:
+            await self.follow_chat_model()
 
     async def new_chat(self) -> None:
         await self.leave_reply()
@@ -265,6 +268,17 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
         if self.chat is not None:
             self.delete(self.chat.id)
 
+    def action_export_chat(self) -> None:
+        if self.chat is None:
+            self.notify("This chat is not saved yet: send a message first.", severity="warning")
+            return
+        try:
+            path = export_markdown(self.store.conversation(self.chat.id))
+        except (LLMLocalError, OSError) as e:
+            self.notify(f"Could not export this chat: {e}", severity="error", markup=False)
+            return
+        self.notify(f"Exported “{self.chat.display_title}” to {path}", timeout=8, markup=False)
+
     def action_search(self) -> None:
         self.query_one("#chat-search", Input).focus()
 
@@ -355,3 +369,21 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
             severity="warning",
             timeout=8,
         )
+
+
+def export_markdown(conv: Conversation) -> Path:
+    """Write a chat's shown branch as Markdown into the current directory, or into the data
+    directory's exports/ where the current one cannot be written; return the file's path."""
+    from ..commands.chats import conversation_markdown, write_atomic
+
+    name = f"llmlocal-chat-{conv.chat.id}.md"
+    text = conversation_markdown(conv)
+    try:
+        path = Path.cwd() / name
+        write_atomic(path, text)
+    except (LLMLocalError, OSError):
+        folder = data_dir() / "exports"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
+        write_atomic(path, text)
+    return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from llmlocal.app.history import ChatStore
 from llmlocal.app.tui import ChatApp
 from llmlocal.app.tui.chat_list import ChatItems, ChatList
@@ -140,3 +141,45 @@ async def test_a_reply_cut_off_by_a_crash_shows_as_interrupted(engine: Engine, t
         await wait_for(pilot, lambda: app.messages[-1].content != "Once upon a", what="a new reply")
         await wait_idle(pilot)
         assert app.messages[-1].status == "complete" and app.branches[app.messages[-1].id] == (2, 2)
+
+
+async def test_f5_exports_the_chat_shown_to_markdown(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmlocal.app.commands.chats import conversation_markdown
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    store = ChatStore(tmp_path / "chats.db")
+    birds = seed(store, "Birds", "Do penguins fly?", "No, they swim.")
+    app = ChatApp(Plan(), GREEDY, engine=engine, store=store)
+    async with app.run_test(size=(120, 36)) as pilot:
+        assert app.chat.id == birds
+        await pilot.press("f5")
+        path = work / f"llmlocal-chat-{birds}.md"
+        await wait_for(pilot, lambda: any(str(path) in n.message for n in app._notifications), what="the notice")
+        assert path.read_text() == conversation_markdown(store.conversation(birds))
+        assert "# Birds" in path.read_text() and "## Assistant\n\nNo, they swim.\n" in path.read_text()
+        # A new chat has nothing to export yet.
+        await pilot.press("ctrl+n", "f5")
+        await wait_for(pilot, lambda: any("not saved yet" in n.message for n in app._notifications))
+        assert sorted(p.name for p in work.iterdir()) == [path.name]
+
+
+async def test_f5_exports_into_the_data_dir_when_the_current_directory_is_gone(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    monkeypatch.setenv("LLMLOCAL_DATA_DIR", str(tmp_path / "data"))
+    store = ChatStore(tmp_path / "chats.db")
+    birds = seed(store, "Birds", "Do penguins fly?", "No, they swim.")
+    app = ChatApp(Plan(), GREEDY, engine=engine, store=store)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.press("f5")
+        path = tmp_path / "data" / "exports" / f"llmlocal-chat-{birds}.md"
+        await wait_for(pilot, lambda: any(str(path) in n.message for n in app._notifications), what="the notice")
+        assert path.read_text().startswith("# Birds\n")

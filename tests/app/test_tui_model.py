@@ -125,3 +125,69 @@ def test_plan_summary_shows_what_differs_from_the_defaults() -> None:
     rows = dict(plan_summary(Plan(model="x", backend="paged", n_ctx=4096, kv_blocks=64, api_key="secret")))
     assert rows == {"backend": "paged", "device": "auto", "n_ctx": "4096", "kv_blocks": "64"}
     assert list(rows)[:3] == ["backend", "device", "n_ctx"]
+
+
+def twin_in_models_dir(starter_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The starter's weights as a second model, a file in an otherwise empty model store."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("LLMLOCAL_MODELS_DIR", str(tmp_path / "models"))
+    twin = tmp_path / "models" / "smollm-twin.gguf"
+    twin.parent.mkdir()
+    twin.symlink_to(starter_path)
+    return twin
+
+
+def held_chat(store: ChatStore, title: str, model: str) -> int:
+    chat = store.create_chat(title=title)
+    q = store.add_message(chat.id, None, "user", "Hi!")
+    store.add_message(chat.id, q.id, "assistant", "Hello.", model=model)  # records the chat's model
+    return chat.id
+
+
+async def test_a_reopened_chat_loads_the_model_it_was_held_with(
+    engine: Engine, starter_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    twin_in_models_dir(starter_path, tmp_path, monkeypatch)
+    store = ChatStore(tmp_path / "chats.db")
+    starter_chat = held_chat(store, "On the starter", "smollm2-135m")
+    twin_chat = held_chat(store, "On the twin", "smollm-twin.gguf")  # the engine's name for the file
+    app = ChatApp(Plan(), GREEDY, engine=engine, store=store)
+    async with app.run_test(size=(130, 40)) as pilot:
+        assert app.chat.id == twin_chat
+        await wait_idle(pilot)
+        assert app.engine is not engine and app.engine.model.name == "smollm-twin.gguf"
+        assert not app.query(Notice)
+        await type_and_send(pilot, "Still you?")
+        assert app.messages[-1].model == "smollm-twin.gguf"
+        # Opening the other chat brings its model back.
+        await app.open_chat(starter_chat)
+        await wait_idle(pilot)
+        assert app.engine.model.name == "smollm2-135m" and app.engine is not engine
+        assert store.get_chat(starter_chat).model == "smollm2-135m"
+
+
+async def test_a_chat_whose_model_is_gone_falls_back_with_a_notice(tmp_path: Path) -> None:
+    store = ChatStore(tmp_path / "chats.db")
+    held_chat(store, "Old", "deleted-model.gguf")
+    app = ChatApp(Plan(), GREEDY, store=store)  # the app loads its own model
+    async with app.run_test(size=(130, 40)) as pilot:
+        await wait_idle(pilot)
+        notice = app.query(Notice).last().text
+        assert "held with deleted-model.gguf, which did not load" in notice and "smollm2-135m" in notice
+        assert app.engine.model.name == "smollm2-135m"
+        await type_and_send(pilot, "Are you there?")
+        assert app.messages[-1].model == "smollm2-135m" and app.messages[-1].content
+
+
+async def test_a_model_named_with_model_stays_for_the_session(
+    engine: Engine, starter_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    twin_in_models_dir(starter_path, tmp_path, monkeypatch)
+    store = ChatStore(tmp_path / "chats.db")
+    held_chat(store, "On the twin", "smollm-twin.gguf")
+    app = ChatApp(Plan(model=starter_path), GREEDY, engine=engine, store=store)  # as `chat --model FILE`
+    async with app.run_test(size=(130, 40)) as pilot:
+        await wait_idle(pilot)
+        assert app.engine is engine and app.loading is None
+        assert "last used smollm-twin.gguf; replies now come from smollm2-135m" in app.query(Notice).last().text
