@@ -18,35 +18,34 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from llmlocal.models import ModelSpec, ResolvedModel, resolve
+from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..block_manager import BlockManager
 from ..detokenize import TextStream
 from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter, Proposal
-from ..grammar import Constraint, TokenMasks, mask_logits
+from ..grammar import Constraint
 from ..model.llama import LlamaModel
 from ..model.fast_decode import FastDecode, native_int4, native_quant
 from ..model.loader import load_gguf, load_hf
 from ..model_runner import ModelRunner, StepItem
-from ..plan import Plan, paged_kv_dtype
+from ..plan import Plan
 from ..sampling import make_generator, sample_batch, token_logprobs
 from ..scheduler import RequestTooLargeError, Scheduler
 from ..sequence import Sequence
 from ..spec_control import DraftLength
 from ..speculative import verify
 from ..stats import StatsRecorder
+from ..step_masks import StepMasks
 from ..tokenizer import HFTokenizer, LlamaCppTokenizer, Tokenizer
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
+from .paged_setup import check_same_vocabulary, load_draft, pick_device, pick_dtype, pick_kv_dtype
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -71,39 +70,11 @@ class _Stream:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens' so far, when asked for
 
 
-def _load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
-    """The draft model's network; speculation pays by how much cheaper a draft token is than a
-    target step, so INT4 projections take the native kernels where they can."""
-    if draft.spec.format != "gguf":
-        return load_hf(draft.path, device, dtype, "auto", max_position=n_ctx)
-    return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx, int4=native_int4(device, dtype),
-                     quant=native_quant(device, dtype, draft.spec))
-
-
 class _EngineFailure:
     """Pushed to every open stream when a step raises: the consumer re-raises it."""
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
-
-
-def pick_device(plan: Plan) -> torch.device:
-    if plan.device == "cuda" or (plan.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise LLMLocalError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu.")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def pick_dtype(plan: Plan, device: torch.device) -> torch.dtype:
-    if plan.dtype != "auto":
-        return DTYPES[plan.dtype]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def pick_kv_dtype(plan: Plan, device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    run = next(name for name, t in DTYPES.items() if t == dtype)
-    return KV_DTYPES[paged_kv_dtype(plan, run, on_gpu=device.type == "cuda")]
 
 
 class PagedBackend:
@@ -142,8 +113,7 @@ class PagedBackend:
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()  # set on a new request, a cancellation or close
         self._closed = False
-        self._token_masks: TokenMasks | None = None  # built on the first request with a grammar
-        self._mask_worker: ThreadPoolExecutor | None = None  # grammar masks, while the model runs
+        self._masks: StepMasks | None = None  # made for the first request with a grammar
         self._thread = threading.Thread(target=self._loop, name="llmlocal-paged", daemon=True)
         self._thread.start()
 
@@ -177,7 +147,7 @@ class PagedBackend:
         elif drafter is None and plan.draft:
             draft = resolve(plan.draft)
             check_same_vocabulary(spec, draft.spec, plan.draft)
-            draft_runner = ModelRunner(_load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=kv_dtype)
+            draft_runner = ModelRunner(load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=kv_dtype)
             FastDecode.attach(draft_runner)
             drafter = DraftModel(draft_runner)
         return cls(runner, tokenizer, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)
@@ -199,8 +169,8 @@ class PagedBackend:
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=10)
-        if self._mask_worker is not None:
-            self._mask_worker.shutdown(wait=False)
+        if self._masks is not None:
+            self._masks.close()
         self.tokenizer.close()
 
     # ---- tokens --------------------------------------------------------------------------
@@ -220,9 +190,10 @@ class PagedBackend:
         streams = [self._new_stream(request, cancel, events, i) for i in range(p.n)]
         streams[0].siblings = streams[1:]
         if p.grammar is not None:  # compiled here: a bad grammar is the caller's error, before queueing
-            masks = self._grammar_masks()
+            if self._masks is None:
+                self._masks = StepMasks(self.tokenizer.token_masks(self.runner.model.cfg.vocab_size))
             for stream in streams:
-                stream.constraint = masks.constraint(p.grammar)
+                stream.constraint = self._masks.constraint(p.grammar)
         seq = Sequence(next(self._ids), prompt_ids, max_tokens=p.max_tokens, extra=streams[0])
         try:
             self.scheduler.check_fits(seq)
@@ -256,12 +227,6 @@ class PagedBackend:
             events=events,
             index=index,
         )
-
-    def _grammar_masks(self) -> TokenMasks:
-        if self._token_masks is None:
-            self._token_masks = self.tokenizer.token_masks(self.runner.model.cfg.vocab_size)
-            self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmlocal-masks")
-        return self._token_masks
 
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -316,12 +281,12 @@ class PagedBackend:
             StepItem(s.seq, s.start, s.num_tokens, s.samples, 1 + s.seq.num_draft_tokens if s.samples else 1)
             for s in out.items
         ]
-        masks = self._start_masks(items)
+        masks = self._masks.start(items) if self._masks is not None else None
         t0 = time.perf_counter()
         logits, sampled_items = self.runner.execute(items)
         raw = self._logprob_rows(logits, sampled_items)  # before the masks: the model's own distribution
         if masks is not None:
-            self._apply_masks(logits, sampled_items, masks.result())
+            StepMasks.apply(logits, sampled_items, masks.result())
         new_tokens = self._sample(logits, sampled_items)
         if self.draft_length is not None:
             plain = all(s.num_tokens == 1 and s.start > 0 for s in out.items)
@@ -370,33 +335,6 @@ class PagedBackend:
                 out[it.seq.seq_id] = logits[row : row + it.num_logits].clone()
             row += it.num_logits
         return out
-
-    def _start_masks(self, items: list[StepItem]) -> Future[dict[int, list[np.ndarray | None]]] | None:
-        """The grammar masks of this step's sampled rows, computed on the worker thread while
-        the model runs (the constraints are not touched elsewhere until `result()`)."""
-        constrained = [it for it in items if it.sample and it.seq.extra.constraint is not None]  # type: ignore[union-attr]
-        if not constrained:
-            return None
-        assert self._mask_worker is not None
-
-        def compute() -> dict[int, list[np.ndarray | None]]:
-            out: dict[int, list[np.ndarray | None]] = {}
-            for it in constrained:
-                constraint: Constraint = it.seq.extra.constraint  # type: ignore[union-attr]
-                k = it.num_logits - 1  # drafts being verified
-                out[it.seq.seq_id] = constraint.allowed_through(it.seq.token_ids[it.seq.num_tokens - k :] if k else [])
-            return out
-
-        return self._mask_worker.submit(compute)
-
-    @staticmethod
-    def _apply_masks(logits: torch.Tensor, items: list[StepItem], masks: dict[int, list[np.ndarray | None]]) -> None:
-        row = 0
-        for it in items:
-            for i, allowed in enumerate(masks.get(it.seq.seq_id, ())):
-                if allowed is not None:
-                    mask_logits(logits[row + i], allowed)
-            row += it.num_logits
 
     def _sample(self, logits: torch.Tensor, items: list[StepItem]) -> list[list[int]]:
         """The tokens each sampling item produces: one, or (verifying drafts) the kept drafts
@@ -549,16 +487,3 @@ class PagedBackend:
             return []
         lp = self.log_probs(token_ids)
         return lp[np.arange(len(token_ids) - 1), token_ids[1:]].astype(np.float64).tolist()
-
-
-def check_same_vocabulary(target: ModelSpec, draft: ModelSpec, name: str) -> None:
-    """A draft proposes token ids the target must read the same way: refuse another tokenizer."""
-    same = target.vocab_size == draft.vocab_size and (
-        not target.tokens or not draft.tokens or target.vocab_fingerprint == draft.vocab_fingerprint
-    )
-    if not same:
-        raise LLMLocalError(
-            f"The draft model {name} has a different tokenizer than the target ({draft.vocab_size} vs "
-            f"{target.vocab_size} tokens, or different token strings): use a draft of the same model "
-            "family, or --draft ngram."
-        )

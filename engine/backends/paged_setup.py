@@ -1,0 +1,57 @@
+"""How the paged backend sets itself up from a plan: device, run and KV dtypes, the draft
+model's network, and the check that a draft reads token ids as the target does."""
+
+from __future__ import annotations
+
+import torch
+from llmlocal.models import ModelSpec, ResolvedModel
+from llmlocal.models.errors import LLMLocalError
+
+from ..model.fast_decode import native_int4, native_quant
+from ..model.llama import LlamaModel
+from ..model.loader import load_gguf, load_hf
+from ..plan import Plan, paged_kv_dtype
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def pick_device(plan: Plan) -> torch.device:
+    if plan.device == "cuda" or (plan.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LLMLocalError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu.")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def pick_dtype(plan: Plan, device: torch.device) -> torch.dtype:
+    if plan.dtype != "auto":
+        return DTYPES[plan.dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def pick_kv_dtype(plan: Plan, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    run = next(name for name, t in DTYPES.items() if t == dtype)
+    return KV_DTYPES[paged_kv_dtype(plan, run, on_gpu=device.type == "cuda")]
+
+
+def load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
+    """The draft model's network; speculation pays by how much cheaper a draft token is than a
+    target step, so INT4 projections take the native kernels where they can."""
+    if draft.spec.format != "gguf":
+        return load_hf(draft.path, device, dtype, "auto", max_position=n_ctx)
+    return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx, int4=native_int4(device, dtype),
+                     quant=native_quant(device, dtype, draft.spec))
+
+
+def check_same_vocabulary(target: ModelSpec, draft: ModelSpec, name: str) -> None:
+    """A draft proposes token ids the target must read the same way: refuse another tokenizer."""
+    same = target.vocab_size == draft.vocab_size and (
+        not target.tokens or not draft.tokens or target.vocab_fingerprint == draft.vocab_fingerprint
+    )
+    if not same:
+        raise LLMLocalError(
+            f"The draft model {name} has a different tokenizer than the target ({draft.vocab_size} vs "
+            f"{target.vocab_size} tokens, or different token strings): use a draft of the same model "
+            "family, or --draft ngram."
+        )
