@@ -30,6 +30,7 @@ from typing import Any
 from llmlocal.models.errors import LLMLocalError
 
 from ..history import Chat, ChatStore, Conversation, StoredMessage
+from . import chosen_action
 
 FORMAT = "llmlocal-chats"
 FORMAT_VERSION = 1  # raise it when a change to the format would lose data in an older llmlocal
@@ -63,9 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import config
 
-    command = {"ls": "list", "remove": "rm"}.get(args.chats_command, args.chats_command)
+    command = chosen_action(args, "chats_command", args.chats_parser)
     if command is None:
-        args.chats_parser.print_help()
         return 2
     config.apply_paths(config.load())  # the config file's data_dir, unless LLMLOCAL_DATA_DIR is set
     store = ChatStore.open()

@@ -30,6 +30,8 @@ from typing import Any
 
 from llmlocal.models.sizes import format_size
 
+from . import chosen_action
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -60,9 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import config
 
-    command = {"ls": "list", "remove": "rm"}.get(args.models_command, args.models_command)
+    command = chosen_action(args, "models_command", args.models_parser)
     if command is None:
-        args.models_parser.print_help()
         return 2
     config.apply_paths(config.load())  # the config file's models_dir, unless LLMLOCAL_MODELS_DIR is set
     return {"list": _list, "pull": _pull, "rm": _rm, "info": _info, "default": _default}[command](args)
