@@ -154,7 +154,7 @@ def _layer_tensors(spec: ModelSpec) -> dict[str, TensorInfo]:
 
     out = {}
     for t in spec.tensors:
-        name = hf_to_gguf_name(t.name)
+        name = hf_to_gguf_name(t.name, spec.architecture)
         if name is not None:
             out[name] = t
     return out

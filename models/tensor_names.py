@@ -1,7 +1,19 @@
-"""Llama-family tensor names in GGUF and Hugging Face form, and llama.cpp's Q/K row order.
+"""Tensor names of the decoder families the engine runs, in GGUF and Hugging Face form, and
+llama.cpp's Q/K row order.
 
-llama, mistral and qwen2 share one layout: per block an attention (q, k, v, o; qwen2 adds
-q/k/v biases), a SwiGLU MLP (gate, up, down) and two RMSNorms.
+Every family is one block with per-family parts (the model code reads them as options; see
+`engine/model/config.py`):
+
+* llama, mistral, qwen2: attention (q, k, v, o; qwen2 adds q/k/v biases), a SwiGLU MLP
+  (gate, up, down), an RMSNorm before each;
+* qwen3: llama's block plus an RMSNorm on each q and k head (QK-norm), no biases;
+* gemma3: QK-norm, and RMSNorms both before and after the attention and the MLP ("sandwich"
+  norms; Hugging Face's ``post_attention_layernorm`` is the norm *after* the attention here,
+  not the one before the MLP as in llama);
+* phi3: q, k, v in one fused ``qkv_proj`` and gate, up in one ``gate_up_proj``.
+
+GGUF architecture names are llama.cpp's: a Hugging Face ``mistral`` checkpoint is written as
+``llama``, ``gemma3_text`` as ``gemma3``.
 
 Q/K row order. Hugging Face llama checkpoints apply RoPE with `rotate_half`: within a head of
 dimension D, rows i and i + D/2 form the rotated pair. llama.cpp's converter reorders the
@@ -11,7 +23,8 @@ adjacent, rows 2i and 2i + 1, which its "normal" RoPE expects:
     HF   per head: (2, D/2, ...)  [x_0 .. x_{D/2-1}, y_0 .. y_{D/2-1}]
     GGUF per head: (D/2, 2, ...)  [x_0, y_0, x_1, y_1, ...]
 
-qwen2 GGUFs keep the HF order (llama.cpp runs them with NEOX RoPE, which is `rotate_half`).
+qwen2, qwen3, gemma3 and phi3 GGUFs keep the HF order (llama.cpp runs them with NEOX RoPE,
+which is `rotate_half`).
 """
 
 from __future__ import annotations
@@ -20,29 +33,72 @@ import re
 
 import numpy as np
 
-# GGUF name (with {i} for the block) -> Hugging Face name
-GGUF_TO_HF: dict[str, str] = {
+_CORE: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_SEPARATE_QKV: dict[str, str] = {
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
-HF_TO_GGUF: dict[str, str] = {v: k for k, v in GGUF_TO_HF.items()}
+_QK_NORM: dict[str, str] = {
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+}
+_LLAMA_MLP_NORM = {"blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight"}
+
+# GGUF architecture -> {GGUF name (with {i} for the block) -> Hugging Face name}
+FAMILY_TENSORS: dict[str, dict[str, str]] = {
+    "llama": _CORE | _SEPARATE_QKV | _LLAMA_MLP_NORM,
+    "qwen2": _CORE | _SEPARATE_QKV | _LLAMA_MLP_NORM,
+    "qwen3": _CORE | _SEPARATE_QKV | _LLAMA_MLP_NORM | _QK_NORM,
+    "gemma3": _CORE | _SEPARATE_QKV | _QK_NORM | {
+        "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+        "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    },
+    "phi3": _CORE | _LLAMA_MLP_NORM | {
+        "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+        "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",  # gate rows, then up rows
+    },
+}
+FAMILY_TENSORS["mistral"] = FAMILY_TENSORS["llama"]
+
+# Hugging Face model_type -> GGUF architecture
+HF_TO_GGUF_ARCH: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+}
+# GGUF architectures the engine's own decoder runs
+ENGINE_ARCHS = frozenset(FAMILY_TENSORS)
+LLAMA_FAMILY = ENGINE_ARCHS  # the name older callers use
 
 # Architectures whose GGUF q/k rows are in llama.cpp's interleaved order.
 PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
+
+# the llama tables, by their old names
+GGUF_TO_HF: dict[str, str] = FAMILY_TENSORS["llama"]
+HF_TO_GGUF: dict[str, str] = {v: k for k, v in GGUF_TO_HF.items()}
+
+
+def gguf_arch(arch: str) -> str:
+    """The GGUF architecture name of ``arch`` (a GGUF name, or a Hugging Face model_type)."""
+    return HF_TO_GGUF_ARCH.get(arch, arch)
+
 
 _BLOCK = re.compile(r"\.(\d+)\.")
 
@@ -54,16 +110,18 @@ def _pattern(name: str) -> tuple[str, int | None]:
     return name[: m.start()] + ".{i}." + name[m.end() :], int(m.group(1))
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None if it is not a llama-family tensor."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of ``arch``, or None if the family has no such tensor."""
     pattern, i = _pattern(name)
-    hf = GGUF_TO_HF.get(pattern)
+    hf = FAMILY_TENSORS.get(gguf_arch(arch), {}).get(pattern)
     return hf.format(i=i) if hf is not None else None
 
 
-def hf_to_gguf_name(name: str) -> str | None:
+def hf_to_gguf_name(name: str, arch: str = "llama") -> str | None:
+    """The GGUF name of a Hugging Face tensor of ``arch`` (GGUF name or model_type), or None."""
     pattern, i = _pattern(name)
-    g = HF_TO_GGUF.get(pattern)
+    table = FAMILY_TENSORS.get(gguf_arch(arch), {})
+    g = next((k for k, v in table.items() if v == pattern), None)
     return g.format(i=i) if g is not None else None
 
 
