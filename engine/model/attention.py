@@ -10,6 +10,10 @@ a cached prefix). Every token's K/V is first written to its slot; then
   step on a CPU is bound by the number of torch calls per layer, not by their arithmetic;
 * each prefill chunk attends, with `scaled_dot_product_attention`, to the sequence's whole
   context so far, gathered from the cache: its cached prefix and the chunk itself, causally.
+
+A layer with a sliding window W (Mistral, Gemma 3's local layers, Phi-3) lets the token at
+position p see positions p - W + 1 .. p only; the cache still holds every position (the blocks
+are shared by all layers), the window only narrows what is read.
 """
 
 from __future__ import annotations
@@ -41,6 +45,23 @@ class AttentionMetadata:
     # and (num_decode, 1, 1, L) bool of the real ones (None when every context is L long)
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    # the decodes' masks of windowed layers, by window, built once a step (`window_mask`)
+    window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor | None:
+        """(num_decode, 1, 1, L) bool: the gathered decode slots a layer of ``window`` sees
+        (None: every real slot)."""
+        if window <= 0 or self.decode_slots is None or self.context_lens is None:
+            return self.decode_mask
+        if window not in self.window_masks:
+            lens = self.context_lens.to(torch.int64)
+            if int(lens.max()) <= window:
+                self.window_masks[window] = self.decode_mask
+            else:
+                idx = torch.arange(self.decode_slots.shape[1], device=lens.device)[None, :]  # (1, L)
+                keep = (idx < lens[:, None]) & (idx >= lens[:, None] - window)  # (B, L)
+                self.window_masks[window] = keep[:, None, None, :]
+        return self.window_masks[window]
 
 
 def paged_attention(
@@ -51,8 +72,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """(N, H, D) attention outputs for the step's tokens; writes their K/V to the cache."""
+    """(N, H, D) attention outputs for the step's tokens; writes their K/V to the cache.
+    ``window`` > 0: each token sees the last ``window`` positions, itself included."""
     n_kv, d = k_cache.shape[2], k_cache.shape[3]
     if meta.decode_slots is not None:  # the CPU path: plain indexed copies, no kernel checks
         # (k and v themselves stay in q's dtype: a first prefill chunk attends to them as they are)
@@ -63,14 +86,15 @@ def paged_attention(
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode
     if nd and meta.decode_slots is not None and not meta.prefills:
-        return _gathered_decode(q, k_cache, v_cache, meta, scale)
+        return _gathered_decode(q, k_cache, v_cache, meta, scale, window)
     out = torch.empty_like(q)
     if nd and meta.decode_slots is not None:
-        out[:nd] = _gathered_decode(q[:nd], k_cache, v_cache, meta, scale)
+        out[:nd] = _gathered_decode(q[:nd], k_cache, v_cache, meta, scale, window)
     elif nd:
         assert meta.block_tables is not None and meta.context_lens is not None
         out[:nd] = paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len
+            q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len,
+            **({"window": window} if window else {}),
         )
     if meta.prefills:
         flat_k = k_cache.view(-1, n_kv, d)  # (slots, Hkv, D)
@@ -83,7 +107,7 @@ def paged_attention(
             else:
                 ck = flat_k[chunk.slots].to(q.dtype)  # (L, Hkv, D), L = start + num_tokens
                 cv = flat_v[chunk.slots].to(q.dtype)
-            out[rows] = _causal_attention(q[rows], ck, cv, chunk.start, scale)
+            out[rows] = _causal_attention(q[rows], ck, cv, chunk.start, scale, window)
     return out
 
 
@@ -93,6 +117,7 @@ def _gathered_decode(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """(B, H, D): each sequence's query over its context rows, gathered by slot."""
     assert meta.decode_slots is not None
@@ -107,12 +132,14 @@ def _gathered_decode(
         k, v = k.to(q.dtype), v.to(q.dtype)
     qh = q.view(b, n_kv, h // n_kv, d)  # (B, Hkv, G, D)
     o = F.scaled_dot_product_attention(
-        qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale
+        qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.window_mask(window), scale=scale
     )  # (B, Hkv, G, D)
     return o.reshape(b, h, d)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, window: int = 0
+) -> torch.Tensor:
     """q (T, H, D) at positions start..start+T-1 over k, v (L, Hkv, D) at 0..L-1, L = start + T."""
     t, h, _ = q.shape
     length, n_kv, _ = k.shape
@@ -122,11 +149,15 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     if n_kv != h:
         kh = kh.repeat_interleave(h // n_kv, dim=1)  # (1, H, L, D)
         vh = vh.repeat_interleave(h // n_kv, dim=1)
-    if start == 0:
+    windowed = 0 < window < length
+    if start == 0 and not windowed:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
-        # query i sits at position start + i and may see keys 0 .. start + i
+        # query i sits at position start + i and may see keys 0 .. start + i (the last `window`)
         qpos = torch.arange(start, start + t, device=q.device)[:, None]
-        mask = torch.arange(length, device=q.device)[None, :] <= qpos  # (T, L)
+        kpos = torch.arange(length, device=q.device)[None, :]
+        mask = kpos <= qpos  # (T, L)
+        if windowed:
+            mask &= kpos > qpos - window
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o.squeeze(0).transpose(0, 1)  # (T, H, D)

@@ -142,6 +142,8 @@ class FastDecode:
         if model.dtype != torch.float32 or runner.kv_caches[0][0].dtype not in (torch.float32, torch.float16):
             return None
         for layer in model.layers:
+            if layer.q_norm is not None or layer.post_attn_norm is not None or layer.window or layer.activation != "silu":
+                return None  # family options the native stack does not take yet
             for a in _ATTRS:
                 m = getattr(layer, a)
                 if not isinstance(m, SparseInt4Projection) or (m.bias is not None and a != "qkv"):

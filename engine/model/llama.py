@@ -1,9 +1,15 @@
-"""A Llama-family decoder (llama, mistral, qwen2) over a paged KV cache.
+"""The engine's decoder (llama, mistral, qwen2, qwen3, gemma3, phi3) over a paged KV cache.
 
-    h = embed(tokens)
-    per layer:  h = h + o_proj(attention(rope(q), rope(k), v))   on rms_norm(h)
-                h = h + down(silu(gate(x)) * up(x)),               x = rms_norm(h)
-    logits = lm_head(rms_norm(h))
+    h = embed(tokens) * embed_scale
+    per layer:  q, k, v = qkv(rms_norm(h));  q, k = qk_norm(q), qk_norm(k)        (QK-norm)
+                a = o_proj(attention(rope(q), rope(k), v))   over the layer's window
+                h = h + post_norm(a)                                              (sandwich)
+                m = down(act(gate(x)) * up(x)),               x = rms_norm(h)
+                h = h + post_norm(m)                                              (sandwich)
+    logits = softcap(lm_head(rms_norm(h)))
+
+The parts in parentheses are the families' options (`ModelConfig`); without them this is the
+llama block.
 
 q/k/v and gate/up are fused into one matmul each (fewer, larger GEMVs per token). RoPE rotates
 interleaved pairs (2j, 2j + 1), llama.cpp's layout for llama GGUFs; the loader permutes
@@ -44,11 +50,13 @@ class Rotary(nn.Module):
     applied to both q and k). A head is then D/2 complex numbers and RoPE one complex product.
     """
 
-    def __init__(self, inv_freq: torch.Tensor, max_position: int) -> None:
+    def __init__(self, inv_freq: torch.Tensor, max_position: int, magnitude: float = 1.0) -> None:
         super().__init__()
         t = torch.arange(max_position, dtype=torch.float32)
         angles = torch.outer(t, inv_freq.float())  # (P, D/2)
-        self.register_buffer("cis", torch.polar(torch.ones_like(angles), angles), persistent=False)  # complex64
+        # |cis| = magnitude: longrope's attention factor on cos and sin (1 for every other scaling)
+        radius = torch.full_like(angles, magnitude)
+        self.register_buffer("cis", torch.polar(radius, angles), persistent=False)  # complex64
 
     def tables(self, positions: torch.Tensor) -> torch.Tensor:
         """(N, 1, D/2) complex factors of the step's positions, shared by every layer."""
@@ -64,28 +72,48 @@ def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+def head_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """RMSNorm over each head of x (N, heads, D)."""
+    n, heads, d = x.shape
+    return norm(x.reshape(n * heads, d)).reshape(n, heads, d)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
+        index: int,
         attn_norm: RMSNorm,
         qkv: Linear,
         o_proj: Linear,
         mlp_norm: RMSNorm,
         gate_up: Linear,
         down: Linear,
+        q_norm: RMSNorm | None = None,  # QK-norm (cfg.qk_norm)
+        k_norm: RMSNorm | None = None,
+        post_attn_norm: RMSNorm | None = None,  # sandwich norms (cfg.sandwich_norms)
+        post_mlp_norm: RMSNorm | None = None,
     ) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.d_ffn = cfg.d_ffn
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.scale
+        self.window = cfg.window(index)
+        self.local = cfg.local_rope(index)  # rotates with the windowed layers' RoPE table
+        self.act = _ACTIVATIONS[cfg.activation]
+        self.activation = cfg.activation
         self.attn_norm, self.qkv, self.o_proj = attn_norm, qkv, o_proj
         self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
 
     def forward(
         self,
         h: torch.Tensor,  # (N, d)
-        rope: torch.Tensor,  # (N, 1, D/2) complex rotation factors
+        rope: torch.Tensor,  # (N, 1, D/2) complex rotation factors of this layer's table
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -93,14 +121,20 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(self.attn_norm(h))  # (N, (H + 2 Hkv) D)
         hd = self.head_dim
         qk, v = qkv.split([(self.n_heads + self.n_kv) * hd, self.n_kv * hd], dim=-1)
+        qk = qk.reshape(n, self.n_heads + self.n_kv, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.n_heads, self.n_kv], dim=1)
+            qk = torch.cat([head_norm(q, self.q_norm), head_norm(k, self.k_norm)], dim=1)
         # q and k heads rotate together: one set of elementwise ops instead of two
-        qk = apply_rotary(qk.reshape(n, self.n_heads + self.n_kv, hd), rope)  # (N, H + Hkv, D)
+        qk = apply_rotary(qk, rope)  # (N, H + Hkv, D)
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (N, H, D), (N, Hkv, D)
         v = v.reshape(n, self.n_kv, hd)
-        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (N, H, D)
-        h = h + self.o_proj(attn.reshape(n, self.n_heads * hd))
+        attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)  # (N, H, D)
+        a = self.o_proj(attn.reshape(n, self.n_heads * hd))
+        h = h + (a if self.post_attn_norm is None else self.post_attn_norm(a))
         gate, up = self.gate_up(self.mlp_norm(h)).split(self.d_ffn, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        m = self.down(self.act(gate) * up)
+        return h + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
 
 
 class LlamaModel(nn.Module):
@@ -113,6 +147,7 @@ class LlamaModel(nn.Module):
         lm_head: Linear | None,  # None: tied to the embedding
         inv_freq: torch.Tensor,
         max_position: int,
+        local_inv_freq: torch.Tensor | None = None,  # the windowed layers' own RoPE (Gemma 3)
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -123,7 +158,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
-        self.rotary = Rotary(inv_freq.to(self._device), max_position).to(self._device)
+        magnitude = cfg.rope_scaling.magnitude
+        self.rotary = Rotary(inv_freq.to(self._device), max_position, magnitude).to(self._device)
+        self.rotary_local = None
+        if local_inv_freq is not None and any(layer.local for layer in layers):
+            self.rotary_local = Rotary(local_inv_freq.to(self._device), max_position).to(self._device)
         self.embed: torch.Tensor | None = None if quant else nn.Parameter(embed, requires_grad=False)
         self.embed_quant: QuantEmbedding | None = embed if quant else None
         self.embed_int8: Int8Linear | None = None
@@ -156,26 +195,33 @@ class LlamaModel(nn.Module):
         """(N, d) final hidden states (normalized)."""
         h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions)
+        rope_local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, rope, kv, meta)
+            h = layer(h, rope_local if layer.local else rope, kv, meta)
         return self.norm(h)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(N,) token ids -> (N, d) rows of the embedding, in a new tensor."""
+        """(N,) token ids -> (N, d) rows of the embedding (times the family's embed_scale), in a
+        new tensor."""
         if self.embed_quant is not None:
-            return self.embed_quant(input_ids)
-        if self.embed_int8 is not None:
+            h = self.embed_quant(input_ids)
+        elif self.embed_int8 is not None:
             q = self.embed_int8  # (vocab, d) int8 rows, (vocab,) scales
-            return F.embedding(input_ids, q.qweight).to(self._dtype) * q.scale[input_ids, None].to(self._dtype)
-        return F.embedding(input_ids, self.embed)
+            h = F.embedding(input_ids, q.qweight).to(self._dtype) * q.scale[input_ids, None].to(self._dtype)
+        else:
+            h = F.embedding(input_ids, self.embed)
+        return h * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(M, d) hidden -> (M, vocab) float32 logits."""
         if self.lm_head is not None:
-            return self.lm_head(h).float()
-        if self.embed_int8 is not None:
-            return self.embed_int8(h).float()
-        return F.linear(h, self.embed).float()
+            z = self.lm_head(h).float()
+        elif self.embed_int8 is not None:
+            z = self.embed_int8(h).float()
+        else:
+            z = F.linear(h, self.embed).float()
+        cap = self.cfg.final_softcap
+        return torch.tanh(z / cap) * cap if cap else z
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per token (what decode speed is bound by)."""

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
-from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, permute_qk
+from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, gguf_to_hf_name, permute_qk
 from llmlocal.native.sparse_int4.qlayout import FORMATS as QUANT_FORMATS
 from llmlocal.native.sparse_int4.qlayout import QuantCodes, decode
 
-from .config import config_from_hf, config_from_spec
+from .config import ModelConfig, config_from_hf, config_from_spec
 
 from .gguf_tensors import INT4_TYPES, GGUFTensors, Int4Codes, QuantEmbedding
 from .linear import DenseLinear, Int4Linear, Int8Linear, Linear
@@ -119,6 +119,78 @@ def _check_mode(weights: str) -> None:
         raise LLMLocalError(f"Unknown weight mode '{weights}': choose one of {', '.join(WEIGHT_MODES)}.")
 
 
+RowFix = Callable[[np.ndarray], np.ndarray]
+
+
+def _same(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+class _Tensors:
+    """What the layer builder reads from a source, by GGUF tensor name."""
+
+    def has(self, name: str) -> bool: ...
+
+    def part(self, name: str, fix: RowFix = _same) -> _Part: ...
+
+    def vec(self, name: str, fix: RowFix = _same) -> torch.Tensor: ...
+
+
+def _qk_fixes(cfg: ModelConfig, permute: bool) -> tuple[RowFix, RowFix, RowFix, RowFix]:
+    """Row permutations into the interleaved RoPE layout: of q, of k, of a fused [q; k; v]
+    (Phi-3), and of a QK-norm weight (one head); identities when ``permute`` is false."""
+    if not permute:
+        return _same, _same, _same, _same
+    nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+    def fused(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([permute_qk(a[:nq], cfg.n_heads), permute_qk(a[nq : nq + nk], cfg.n_kv_heads), a[nq + nk :]])
+
+    return (lambda a: permute_qk(a, cfg.n_heads)), (lambda a: permute_qk(a, cfg.n_kv_heads)), fused, (lambda a: permute_qk(a, 1))
+
+
+def _build_layer(
+    cfg: ModelConfig,
+    src: _Tensors,
+    i: int,
+    permute: bool,
+    fuse: Callable[[list[_Part]], Linear],
+) -> DecoderLayer:
+    """Layer ``i`` of any family: its parts by GGUF name, the family's options from ``cfg``."""
+    b = f"blk.{i}."
+    fix_q, fix_k, fix_qkv, fix_head = _qk_fixes(cfg, permute)
+    if src.has(b + "attn_qkv.weight"):  # fused q, k, v (Phi-3)
+        qkv = fuse([src.part(b + "attn_qkv.weight", fix_qkv)])
+    else:
+        qkv = fuse([src.part(b + "attn_q.weight", fix_q), src.part(b + "attn_k.weight", fix_k), src.part(b + "attn_v.weight")])
+    o = fuse([src.part(b + "attn_output.weight")])
+    if src.has(b + "ffn_gate.weight"):
+        gate_up = fuse([src.part(b + "ffn_gate.weight"), src.part(b + "ffn_up.weight")])
+    else:  # gate and up in one tensor, gate rows first (Phi-3)
+        gate_up = fuse([src.part(b + "ffn_up.weight")])
+    down = fuse([src.part(b + "ffn_down.weight")])
+    eps = cfg.norm_eps
+    extra: dict[str, RMSNorm] = {}
+    if cfg.qk_norm:
+        extra["q_norm"] = RMSNorm(src.vec(b + "attn_q_norm.weight", fix_head), eps)
+        extra["k_norm"] = RMSNorm(src.vec(b + "attn_k_norm.weight", fix_head), eps)
+    if cfg.sandwich_norms:
+        extra["post_attn_norm"] = RMSNorm(src.vec(b + "post_attention_norm.weight"), eps)
+        extra["post_mlp_norm"] = RMSNorm(src.vec(b + "post_ffw_norm.weight"), eps)
+    return DecoderLayer(cfg, i, RMSNorm(src.vec(b + "attn_norm.weight"), eps), qkv, o,
+                        RMSNorm(src.vec(b + "ffn_norm.weight"), eps), gate_up, down, **extra)
+
+
+def _rope(cfg: ModelConfig, divisors: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(inv_freq, the windowed layers' inv_freq or None); ``divisors``: per-frequency
+    divisors stored in the file (llama3's rope_freqs, Phi-3's rope_factors)."""
+    inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
+    if divisors is not None:
+        inv_freq = inv_freq / torch.from_numpy(np.ascontiguousarray(divisors, dtype=np.float32))
+    local = torch.tensor(cfg.local_inv_freq(), dtype=torch.float32) if cfg.rope_local_theta is not None else None
+    return inv_freq, local
+
+
 def load_gguf(
     spec: ModelSpec,
     device: torch.device,
@@ -137,43 +209,43 @@ def load_gguf(
     t = GGUFTensors(spec)
     # the model wants q/k rows in the interleaved RoPE layout, which llama/mistral GGUFs have
     permute = cfg.architecture not in PERMUTED_QK_ARCHS
+    positions = max_position or cfg.max_position
 
     def need(name: str) -> str:
         if name not in t:
             raise ModelFormatError(f"{spec.path} has no tensor '{name}': the file is incomplete; convert it again.")
         return name
 
-    def part(name: str, heads: int | None = None) -> _Part:
-        need(name)
-        info = t.info(name)
-        fix = (lambda a: permute_qk(a, heads)) if heads and permute else (lambda a: a)
-        int4 = None
-        if info.ggml_type in INT4_TYPES and info.shape[0] % 32 == 0:
-            def int4() -> Int4Codes:
-                c = t.int4(name)
-                return Int4Codes(fix(c.codes), fix(c.scale), fix(c.zero))
-        bias_name = name.replace(".weight", ".bias")
-        bias = fix(t.float32(bias_name)) if bias_name in t else None
-        q = None
-        fmt = QUANT_FORMATS.get(info.ggml_type)
-        if quant is not None and fmt is not None and info.shape[0] % fmt.dgroup == 0:
-            q = lambda: _fix_rows(decode(t.raw(name), info.ggml_type), fix)  # noqa: E731
-        return _Part(int4, lambda: fix(t.float32(name)), bias, q)
+    class File(_Tensors):
+        def has(self, name: str) -> bool:
+            return name in t
 
-    def vec(name: str) -> torch.Tensor:
-        return torch.from_numpy(t.float32(need(name)).copy()).to(device=device, dtype=torch.float32)
+        def part(self, name: str, fix: RowFix = _same) -> _Part:
+            need(name)
+            info = t.info(name)
+            int4 = None
+            if info.ggml_type in INT4_TYPES and info.shape[0] % 32 == 0:
+                def int4() -> Int4Codes:
+                    c = t.int4(name)
+                    return Int4Codes(fix(c.codes), fix(c.scale), fix(c.zero))
+            bias_name = name.replace(".weight", ".bias")
+            bias = fix(t.float32(bias_name)) if bias_name in t else None
+            q = None
+            fmt = QUANT_FORMATS.get(info.ggml_type)
+            if quant is not None and fmt is not None and info.shape[0] % fmt.dgroup == 0:
+                q = lambda: _fix_rows(decode(t.raw(name), info.ggml_type), fix)  # noqa: E731
+            return _Part(int4, lambda: fix(t.float32(name)), bias, q)
+
+        def vec(self, name: str, fix: RowFix = _same) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(fix(t.float32(need(name))))).to(device=device, dtype=torch.float32)
+
+    src = File()
+
+    def fuse(parts: list[_Part]) -> Linear:
+        return _fuse(parts, weights, dtype, device, int4, quant)
 
     def layer(i: int) -> DecoderLayer:
-        b = f"blk.{i}."
-        qkv = _fuse(
-            [part(b + "attn_q.weight", cfg.n_heads), part(b + "attn_k.weight", cfg.n_kv_heads), part(b + "attn_v.weight")],
-            weights, dtype, device, int4, quant,
-        )
-        o = _fuse([part(b + "attn_output.weight")], weights, dtype, device, int4, quant)
-        gate_up = _fuse([part(b + "ffn_gate.weight"), part(b + "ffn_up.weight")], weights, dtype, device, int4, quant)
-        down = _fuse([part(b + "ffn_down.weight")], weights, dtype, device, int4, quant)
-        return DecoderLayer(cfg, RMSNorm(vec(b + "attn_norm.weight"), cfg.norm_eps), qkv, o,
-                            RMSNorm(vec(b + "ffn_norm.weight"), cfg.norm_eps), gate_up, down)
+        return _build_layer(cfg, src, i, permute, fuse)
 
     if device.type == "cpu":  # independent layers, built by a thread per core (numpy and the C packer release the GIL)
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
@@ -183,24 +255,28 @@ def load_gguf(
     head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
     native_head = None  # the file's own bytes: reads what the file holds, no more
     if quant is not None and weights == "auto":
-        hp = part(head)
+        hp = src.part(head)
         native_head = quant([hp.quant()], None) if hp.quant is not None else None
     if native_head is None and int4 is not None and t.info(head).ggml_type in INT4_TYPES and t.info(head).shape[0] % 32 == 0:
         native_head = int4(t.int4(head), None)  # exact 4-bit codes: the head reads half of INT8's bytes
     lm_head = native_head
     if lm_head is None and not cfg.tie_embeddings:
-        lm_head = _fuse([part("output.weight")], weights, dtype, device)
+        lm_head = _fuse([src.part("output.weight")], weights, dtype, device)
     emb_type = t.info(need("token_embd.weight")).ggml_type
     embed: torch.Tensor | QuantEmbedding
     if quant is not None and weights == "auto" and emb_type not in FLOAT_TYPES and (native_head is not None or not cfg.tie_embeddings):
         embed = t.embedding("token_embd.weight")  # rows read from the file as tokens ask for them
     else:
         embed = torch.from_numpy(t.float32("token_embd.weight").copy()).to(device=device, dtype=dtype)
-    inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
+    divisors = None
     if "rope_freqs.weight" in t:  # llama3-style scaling, stored as per-frequency divisors
-        inv_freq = inv_freq / torch.from_numpy(t.float32("rope_freqs.weight").copy())
-    norm = RMSNorm(vec("output_norm.weight"), cfg.norm_eps)
-    model = LlamaModel(cfg, embed, layers, norm, lm_head, inv_freq, max_position or cfg.max_position).eval()
+        divisors = t.float32("rope_freqs.weight")
+    elif cfg.rope_scaling.kind == "longrope":  # Phi-3: the long factors past the original context
+        long = positions > cfg.rope_scaling.original_max_position
+        divisors = t.float32(need("rope_factors_long.weight" if long else "rope_factors_short.weight"))
+    inv_freq, local_inv_freq = _rope(cfg, divisors)
+    norm = RMSNorm(src.vec("output_norm.weight"), cfg.norm_eps)
+    model = LlamaModel(cfg, embed, layers, norm, lm_head, inv_freq, positions, local_inv_freq).eval()
     if model.embed is not None and weights != "dense" and cfg.tie_embeddings and emb_type not in FLOAT_TYPES:
         model.quantize_tied_head()  # a quantized source: INT8 rows lose next to nothing more
     return model
@@ -221,7 +297,7 @@ def load_hf(
 
     _check_mode(weights)
     directory = Path(directory)
-    cfg = config_from_hf(directory)
+    cfg = config_from_hf(directory, max_position)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -234,6 +310,12 @@ def load_hf(
             with safe_open(str(f), framework="np") as sf:
                 weight_map.update({k: f.name for k in sf.keys()})
     handles: dict[str, object] = {}
+    # Gemma's RMSNorms multiply by (1 + w): its checkpoints store w
+    norm_shift = 1.0 if cfg.architecture == "gemma3" else 0.0
+
+    def hf(name: str) -> str:
+        """The checkpoint's name of a GGUF tensor name."""
+        return gguf_to_hf_name(name, cfg.architecture) or name
 
     def get(name: str) -> np.ndarray:
         if name not in weight_map:
@@ -243,33 +325,28 @@ def load_hf(
             handles[fname] = safe_open(str(directory / fname), framework="pt")
         return handles[fname].get_tensor(name).float().numpy()  # type: ignore[attr-defined]
 
-    def part(name: str, heads: int | None = None) -> _Part:
-        """A projection; q and k (``heads`` given) permuted into the interleaved RoPE layout."""
-        fix = (lambda a: permute_qk(a, heads)) if heads else (lambda a: a)
-        bias_name = name.replace(".weight", ".bias")
-        return _Part(None, lambda: fix(get(name)), fix(get(bias_name)) if bias_name in weight_map else None)
+    class Checkpoint(_Tensors):
+        def has(self, name: str) -> bool:
+            return hf(name) in weight_map
 
-    def vec(name: str) -> torch.Tensor:
-        return torch.from_numpy(get(name)).to(device=device, dtype=torch.float32)
+        def part(self, name: str, fix: RowFix = _same) -> _Part:
+            w = hf(name)
+            bias_name = w.replace(".weight", ".bias")
+            return _Part(None, lambda: fix(get(w)), fix(get(bias_name)) if bias_name in weight_map else None)
 
-    layers = []
-    for i in range(cfg.n_layers):
-        b = f"model.layers.{i}."
-        a, m = b + "self_attn.", b + "mlp."
-        qkv = _fuse(
-            [part(a + "q_proj.weight", cfg.n_heads), part(a + "k_proj.weight", cfg.n_kv_heads), part(a + "v_proj.weight")],
-            weights, dtype, device,
-        )
-        o = _fuse([part(a + "o_proj.weight")], weights, dtype, device)
-        gate_up = _fuse([part(m + "gate_proj.weight"), part(m + "up_proj.weight")], weights, dtype, device)
-        down = _fuse([part(m + "down_proj.weight")], weights, dtype, device)
-        layers.append(
-            DecoderLayer(cfg, RMSNorm(vec(b + "input_layernorm.weight"), cfg.norm_eps), qkv, o,
-                         RMSNorm(vec(b + "post_attention_layernorm.weight"), cfg.norm_eps), gate_up, down)
-        )
-    embed = torch.from_numpy(get("model.embed_tokens.weight")).to(device=device, dtype=dtype)
-    tied = cfg.tie_embeddings or "lm_head.weight" not in weight_map
-    lm_head = None if tied else _fuse([part("lm_head.weight")], weights, dtype, device)
-    inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
-    norm = RMSNorm(vec("model.norm.weight"), cfg.norm_eps)
-    return LlamaModel(cfg, embed, layers, norm, lm_head, inv_freq, max_position or cfg.max_position).eval()
+        def vec(self, name: str, fix: RowFix = _same) -> torch.Tensor:
+            w = fix(get(hf(name)))
+            return torch.from_numpy(np.ascontiguousarray(w + norm_shift)).to(device=device, dtype=torch.float32)
+
+    src = Checkpoint()
+
+    def fuse(parts: list[_Part]) -> Linear:
+        return _fuse(parts, weights, dtype, device)
+
+    layers = [_build_layer(cfg, src, i, True, fuse) for i in range(cfg.n_layers)]  # HF q/k rows: always permuted
+    embed = torch.from_numpy(get(hf("token_embd.weight"))).to(device=device, dtype=dtype)
+    tied = cfg.tie_embeddings or not src.has("output.weight")
+    lm_head = None if tied else fuse([src.part("output.weight")])
+    inv_freq, local_inv_freq = _rope(cfg, None)
+    norm = RMSNorm(src.vec("output_norm.weight"), cfg.norm_eps)
+    return LlamaModel(cfg, embed, layers, norm, lm_head, inv_freq, max_position or cfg.max_position, local_inv_freq).eval()

@@ -99,7 +99,7 @@ def test_a_request_that_can_never_fit_is_refused_with_the_numbers() -> None:
 
 
 def test_an_architecture_the_paged_engine_lacks_suggests_llamacpp(make_gguf) -> None:
-    path = make_gguf(arch="gemma3")
+    path = make_gguf(arch="gpt2")
     with pytest.raises(UnsupportedArchitectureError, match="--backend llamacpp"):
         Engine.load(Plan(backend="paged", model=str(path)))
 
