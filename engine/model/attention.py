@@ -93,8 +93,7 @@ def paged_attention(
     elif nd:
         assert meta.block_tables is not None and meta.context_lens is not None
         out[:nd] = paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len,
-            **({"window": window} if window else {}),
+            q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len, window=window
         )
     if meta.prefills:
         flat_k = k_cache.view(-1, n_kv, d)  # (slots, Hkv, D)

@@ -58,22 +58,26 @@ def paged_decode_attention(
     context_lens: Tensor,
     scale: float,
     max_context_len: int | None = None,
+    *,
+    window: int = 0,
 ) -> Tensor:
     """Attention of one query token per sequence over all of its cached tokens (the current
-    token's K/V already written).
+    token's K/V already written), or over the last ``window`` of them.
 
     q: ``(B, n_heads, head_dim)``; block_tables: ``(B, max_blocks_per_seq)`` int32 whose entries
     past a sequence's last block are padding (any value, never read); context_lens: ``(B,)``
     int32, each >= 1. Query head h uses kv head ``h // (n_heads // n_kv_heads)``. Returns
     ``(B, n_heads, head_dim)`` in q's dtype; softmax and accumulation run in fp32.
     ``max_context_len``, a host int >= every context length, lets the CUDA launcher size its
-    context splits without a device sync."""
+    context splits without a device sync. ``window`` > 0 is a sliding window: the query of a
+    sequence of context length L (its own token at position L - 1) attends only positions
+    max(0, L - window) .. L - 1; 0 attends the whole context."""
     if backend_for(q) == "triton":
         return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
+            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, window=window
         )
     return paged_decode_attention_reference(
-        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, window=window
     )
 
 
@@ -93,15 +97,17 @@ def paged_decode_attention_triton(
     scale: float,
     max_context_len: int | None = None,
     *,
+    window: int = 0,
     num_splits: int | None = None,
     tile_n: int | None = None,
     use_dot: bool | None = None,
 ) -> Tensor:
-    """The Triton decode launcher (imports triton on first call). The keyword-only knobs
-    override the launcher's choices: context splits, tokens per inner step, tl.dot or not."""
+    """The Triton decode launcher (imports triton on first call). ``window`` is
+    paged_decode_attention's; the other keyword-only knobs override the launcher's choices:
+    context splits, tokens per inner step, tl.dot or not."""
     from .triton_decode import paged_decode_attention_triton as launch
 
     return launch(
         q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
-        num_splits=num_splits, tile_n=tile_n, use_dot=use_dot,
+        window=window, num_splits=num_splits, tile_n=tile_n, use_dot=use_dot,
     )  # fmt: skip

@@ -9,7 +9,8 @@ sequence's block table lists its block ids in order, so its token ``t`` lives in
 Decode attention is vectorised over sequences, tokens and query heads. It runs in steps of a
 few megabytes (whole sequences when they fit, runs of blocks of one long sequence otherwise)
 so that each step's K/V copy stays in cache, and in each step one matmul per kv head reads
-the gathered K/V in place.
+the gathered K/V in place. With a sliding window it gathers only the blocks from the one
+holding the window's first position on.
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ def check_write_kv_args(
 
 
 def check_decode_args(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, window: int = 0
 ) -> None:
     """Raise ValueError unless the arguments follow the paged_decode_attention contract."""
     _check_caches(k_cache, v_cache)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: the whole context), got {window}")
     _, _, n_kv, head_dim = k_cache.shape
     if q.dim() != 3 or q.shape[2] != head_dim:
         raise ValueError(f"q must be (B, n_heads, {head_dim}), got {tuple(q.shape)}")
@@ -122,17 +125,20 @@ def paged_decode_attention_reference(
     scale: float,
     max_context_len: int | None = None,
     *,
+    window: int = 0,
     step_bytes: int = STEP_BYTES,
 ) -> Tensor:
-    """One query token per sequence against all of its cached tokens; see the package docstring
-    for the full contract. Returns ``(B, n_heads, head_dim)`` in ``q``'s dtype.
+    """One query token per sequence against all of its cached tokens, or the last ``window``
+    of them; see the package docstring for the full contract. Returns ``(B, n_heads,
+    head_dim)`` in ``q``'s dtype.
 
     The work runs in steps whose fp32 K copy stays under ``step_bytes``: several whole
     sequences per step when they fit, else one sequence and a run of its blocks per step."""
     # out[b, h] = sum_t softmax_t(scale * q[b, h] . K[b, t, kv(h)]) V[b, t, kv(h)] over
-    # t < context_lens[b], kv(h) = h // (n_heads // n_kv_heads). Steps are merged with an
+    # lo[b] <= t < context_lens[b], kv(h) = h // (n_heads // n_kv_heads), where lo[b] =
+    # max(0, context_lens[b] - window) with a window and 0 without. Steps are merged with an
     # online softmax (see _attend_rows), so no temporary grows with the batch or the context.
-    check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens, window)
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
     group = n_heads // n_kv
@@ -143,20 +149,37 @@ def paged_decode_attention_reference(
     if max_context_len is None or not lens.is_cuda:
         # On the host the exact maximum costs nothing and guards against a stale hint.
         max_context_len = int(lens.max())
-    n_blocks = min(math.ceil(max_context_len / block_size), block_tables.shape[1])
+    if window > 0:
+        # Only the blocks from the one holding position lo = max(0, L - W) on are read: each
+        # table row is shifted so that block becomes block 0, and positions and lengths count
+        # from its first token. The shifted context then spans at most W + block_size - 1.
+        lo = (lens - window).clamp(min=0)  # (B,)
+        first_block = lo // block_size  # (B,)
+        lens = lens - first_block * block_size  # (B,)
+        lo = lo - first_block * block_size  # (B,), in [0, block_size)
+        span = min(max_context_len, window + block_size - 1)
+        n_blocks = min(math.ceil(span / block_size), block_tables.shape[1])
+        cols = first_block[:, None] + torch.arange(n_blocks, device=q.device)  # (B, nb)
+        # Columns past the table's end are dead (past the sequence's last block), clamped only
+        # to keep the gather in bounds.
+        table = block_tables.gather(1, cols.clamp(max=block_tables.shape[1] - 1))  # (B, nb)
+    else:
+        lo = None
+        n_blocks = min(math.ceil(max_context_len / block_size), block_tables.shape[1])
+        table = block_tables[:, :n_blocks]  # (B, nb)
 
     # Table entries past a sequence's last block are padding with any value: replace them by
     # block 0 so the gather stays in bounds; the positions they cover are masked.
     block_idx = torch.arange(n_blocks, device=q.device)  # (nb,)
     live = block_idx[None, :] < ((lens + block_size - 1) // block_size)[:, None]  # (B, nb)
-    table = torch.where(live, block_tables[:, :n_blocks].long(), 0)  # (B, nb)
+    table = torch.where(live, table.long(), 0)  # (B, nb)
 
     # GQA: the query heads of one kv head form a group of `group` rows.
     qh = (q.float() * scale).view(batch, n_kv, group, head_dim).transpose(0, 1).contiguous()  # (n_kv, B, G, D)
 
     block_bytes = block_size * n_kv * head_dim * 4  # one block of K in fp32
     if batch * n_blocks * block_bytes <= step_bytes:
-        return _attend_one_step(q, k_cache, v_cache, table, lens, scale)
+        return _attend_one_step(q, k_cache, v_cache, table, lens, lo, scale)
     if n_blocks * block_bytes <= step_bytes:
         seqs_per_step, blocks_per_step = min(batch, max(1, step_bytes // (n_blocks * block_bytes))), n_blocks
     else:
@@ -167,16 +190,20 @@ def paged_decode_attention_reference(
     out = torch.empty(n_kv, batch, group, head_dim, device=q.device, dtype=torch.float32)
     for first in range(0, batch, seqs_per_step):
         rows = slice(first, first + seqs_per_step)
-        out[:, rows] = _attend_rows(qh[:, rows], k_steps, v_steps, table[rows], lens[rows], blocks_per_step)
+        lo_rows = None if lo is None else lo[rows]
+        out[:, rows] = _attend_rows(qh[:, rows], k_steps, v_steps, table[rows], lens[rows], lo_rows, blocks_per_step)
     return out.transpose(0, 1).reshape(batch, n_heads, head_dim).to(q.dtype)  # (B, H, D)
 
 
-def _attend_one_step(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, lens: Tensor, scale: float) -> Tensor:
+def _attend_one_step(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, lens: Tensor, lo: Tensor | None, scale: float
+) -> Tensor:
     """The common decode case, when every sequence's K/V fits one step: one gather and one
     fused attention call (few torch ops, which is what a CPU decode step is bound by).
 
     The `group` query heads of a kv head act as `group` queries at one position, so the
-    attention needs no causal mask, only the per-sequence length mask."""
+    attention needs no causal mask, only the per-sequence length mask (and, with a window,
+    the mask of the positions before ``lo``, the window's start in block 0)."""
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
     n_blocks = table.shape[1]
@@ -184,6 +211,8 @@ def _attend_one_step(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor,
     k = k_cache[table].view(batch, length, n_kv, head_dim).float()  # (B, L, n_kv, D), a copy
     v = v_cache[table].view(batch, length, n_kv, head_dim).float()
     valid = torch.arange(length, device=q.device)[None, :] < lens[:, None]  # (B, L)
+    if lo is not None:
+        valid &= torch.arange(length, device=q.device)[None, :] >= lo[:, None]
     # Rows past a sequence's end may never have been written (NaN): zero them, since a masked
     # score does not protect against NaN * 0.
     k.masked_fill_(~valid[:, :, None, None], 0.0)
@@ -218,16 +247,24 @@ class _StepGather:
 
 
 def _attend_rows(
-    qh: Tensor, k_steps: _StepGather, v_steps: _StepGather, table: Tensor, lens: Tensor, blocks_per_step: int
+    qh: Tensor,
+    k_steps: _StepGather,
+    v_steps: _StepGather,
+    table: Tensor,
+    lens: Tensor,
+    lo: Tensor | None,
+    blocks_per_step: int,
 ) -> Tensor:
     """Attention of a few sequences, ``blocks_per_step`` cache blocks at a time.
-    qh: (n_kv, b, G, D) fp32, pre-scaled; table: (b, nb), no padding ids; lens: (b,).
+    qh: (n_kv, b, G, D) fp32, pre-scaled; table: (b, nb), no padding ids; lens: (b,);
+    lo: (b,) first position of the window (in block 0), or None for the whole context.
     Returns (n_kv, b, G, D) fp32."""
     # Online softmax over steps: m' = max(m, max_step s); alpha = e^(m - m');
     # l' = l alpha + sum_step e^(s - m'); acc' = acc alpha + sum_step e^(s - m') V; out = acc / l.
-    # Positions t >= len score -inf *and* get a zeroed V row: the cache behind them (the tail
-    # of the last block, or block 0 standing in for padding) may never have been written and
-    # may hold NaN, and 0 * NaN is still NaN. Step 0 holds position 0, so m is finite after it.
+    # Positions t >= len (and t < lo) score -inf *and* get a zeroed V row: the cache behind
+    # them (the tail of the last block, or block 0 standing in for padding) may never have been
+    # written and may hold NaN, and 0 * NaN is still NaN. Step 0 holds block 0, and with it
+    # the first live position (0, or lo < block_size), so m is finite after it.
     n_kv, rows, group, head_dim = qh.shape
     block_size = k_steps.cache.shape[1]
     m = torch.full((n_kv, rows, group, 1), float("-inf"), device=qh.device)
@@ -240,6 +277,8 @@ def _attend_rows(
         step_len = k.shape[1]
         pos = first_block * block_size + torch.arange(step_len, device=qh.device)  # (Ls,)
         valid = pos[None, :] < lens[:, None]  # (b, Ls)
+        if lo is not None:
+            valid &= pos[None, :] >= lo[:, None]
         v[(~valid).nonzero(as_tuple=True)] = 0.0  # writes only the masked rows
 
         # k[:, :, h] is a (b, Ls, D) view with row stride n_kv * D, which bmm reads in place:

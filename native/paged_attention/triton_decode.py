@@ -6,9 +6,14 @@ once per group, not once per query head. It walks its slice of the context in ti
 ``TILE_N`` tokens, finding each token's cache block through the block table, and keeps an
 online softmax (running max and sum) in fp32.
 
+With a sliding window of W tokens, a sequence of context length L attends only positions
+max(0, L - W) .. L - 1: its walk starts in the block holding position L - W (the blocks
+wholly before it are never loaded) and masks the positions before L - W in that block.
+
 When there are few (sequence, kv head) pairs and long contexts, the launcher splits the
 context into ``num_splits`` slices so the GPU has enough programs to stay busy; each slice
 writes a normalised partial output and its log-sum-exp, and a second kernel merges them.
+The splits divide the part of the context that is walked (the window, with one).
 With one split the decode kernel writes the final output and the merge is skipped.
 
 This module imports triton; ``llmlocal.native.paged_attention`` imports it only when the
@@ -48,6 +53,7 @@ def _decode_kernel(
     part_lse_ptr,  # (B, H, NUM_SPLITS) fp32, log2-space log-sum-exp of each split
     qk_scale,  # softmax scale * log2(e)
     tokens_per_split,
+    window,  # attend the last `window` positions; read only when WINDOWED
     stride_qb,
     stride_qh,
     stride_cache_block,
@@ -64,6 +70,7 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     # For query rows g of kv head `kvh` of sequence `seq`, over tokens t in [start, end):
     #   s[g, t] = log2(e) * scale * q[g] . K[t];  m = max_t s;  l = sum_t 2^(s - m);
@@ -76,7 +83,18 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     ctx_len = tl.load(context_lens_ptr + seq)
-    start = split * tokens_per_split
+    if WINDOWED:
+        # The walk starts at `first`: the tile of the block holding lo = max(0, L - W) that
+        # holds lo itself (the block's first token when TILE_N >= BLOCK_SIZE), so no block
+        # wholly before the window is loaded, tiles stay aligned to the blocks, and every
+        # tile holds a live token. Positions in [first, lo) are masked. The merge kernel
+        # computes `first` the same way.
+        lo = tl.maximum(ctx_len - window, 0)
+        first = lo // BLOCK_SIZE * BLOCK_SIZE
+        first += (lo - first) // TILE_N * TILE_N
+    else:
+        first = 0
+    start = first + split * tokens_per_split
     # The last split runs to the end of the context, so a low max_context_len hint costs
     # speed, never correctness.
     end = tl.where(split == NUM_SPLITS - 1, ctx_len, tl.minimum(start + tokens_per_split, ctx_len))
@@ -99,6 +117,8 @@ def _decode_kernel(
     for tile_start in range(start, end, TILE_N):
         offs_n = tile_start + tl.arange(0, TILE_N)  # (N,) token positions in the sequence
         n_mask = offs_n < end
+        if WINDOWED:
+            n_mask = n_mask & (offs_n >= lo)
         block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok_offs = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_tok  # (N,)
         kv_offs = tok_offs[:, None] + kvh * stride_cache_head + offs_d[None, :]  # (N, D)
@@ -148,6 +168,7 @@ def _merge_kernel(
     context_lens_ptr,  # (B,)
     out_ptr,  # (B, H, D)
     tokens_per_split,
+    window,  # as the decode kernel's; read only when WINDOWED
     n_heads,
     stride_ob,
     stride_oh,
@@ -155,15 +176,26 @@ def _merge_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     # Split j holds o_j = (sum_{t in j} 2^(s_t) V_t) / (sum_{t in j} 2^(s_t)) and
     # lse_j = log2(sum_{t in j} 2^(s_t)). With M = max_j lse_j and w_j = 2^(lse_j - M):
     #   out = sum_j w_j o_j / sum_j w_j.
-    # Only the first ceil(ctx_len / tokens_per_split) splits of a sequence hold data.
+    # Only the first ceil((ctx_len - first) / tokens_per_split) splits of a sequence hold data,
+    # `first` being where the decode kernel's walk starts (0 without a window).
     seq = tl.program_id(0)
     head = tl.program_id(1)
     ctx_len = tl.load(context_lens_ptr + seq)
-    n_live = tl.minimum((ctx_len + tokens_per_split - 1) // tokens_per_split, NUM_SPLITS)
+    if WINDOWED:
+        lo = tl.maximum(ctx_len - window, 0)
+        first = lo // BLOCK_SIZE * BLOCK_SIZE
+        first += (lo - first) // TILE_N * TILE_N
+        walked = ctx_len - first
+    else:
+        walked = ctx_len
+    n_live = tl.minimum((walked + tokens_per_split - 1) // tokens_per_split, NUM_SPLITS)
 
     offs_s = tl.arange(0, SPLITS_PAD)  # (S,)
     offs_d = tl.arange(0, HEAD_DIM_PAD)  # (D,)
@@ -247,6 +279,7 @@ def paged_decode_attention_triton(
     scale: float,
     max_context_len: int | None = None,
     *,
+    window: int = 0,
     num_splits: int | None = None,
     tile_n: int | None = None,
     use_dot: bool | None = None,
@@ -254,10 +287,11 @@ def paged_decode_attention_triton(
     """Triton paged decode attention; the contract is paged_decode_attention's.
 
     ``max_context_len`` (a host int, >= every context length) sizes the splits without a
-    device sync; without it the block table's width bounds the context. ``num_splits``,
+    device sync; without it the block table's width bounds the context. ``window`` > 0
+    attends only the last ``window`` positions of each sequence. ``num_splits``,
     ``tile_n`` (tokens per inner step, a power of two) and ``use_dot`` (tl.dot instead of
     broadcast products, needs tiles of at least 16) override the launcher's choices."""
-    check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens, window)
     interpret = interpreting()
     if not q.is_cuda and not interpret:
         raise ValueError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 to run on CPU")
@@ -287,7 +321,11 @@ def paged_decode_attention_triton(
     if tile_n < 1 or tile_n & (tile_n - 1) or (use_dot and tile_n < 16):
         raise ValueError(f"tile_n must be a power of two (>= 16 with use_dot), got {tile_n}")
 
-    plan = plan_splits(max_context_len, batch * n_kv, _num_sms(q.device), tile_n, num_splits)
+    walked_len = max_context_len
+    if window > 0:
+        # The walk starts less than min(tile_n, block_size) tokens before the window.
+        walked_len = min(max_context_len, window + min(tile_n, block_size) - 1)
+    plan = plan_splits(walked_len, batch * n_kv, _num_sms(q.device), tile_n, num_splits)
     decode_kernel, merge_kernel = jitted_kernels(interpret)
 
     out = torch.empty_like(q)
@@ -299,20 +337,21 @@ def paged_decode_attention_triton(
 
     decode_kernel[(batch, n_kv, plan.num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * _LOG2_E, plan.tokens_per_split,
+        scale * _LOG2_E, plan.tokens_per_split, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile_n,
-        NUM_SPLITS=plan.num_splits, USE_DOT=use_dot,
+        NUM_SPLITS=plan.num_splits, USE_DOT=use_dot, WINDOWED=window > 0,
     )  # fmt: skip
     if plan.num_splits > 1:
         merge_kernel[(batch, n_heads)](
             part_out, part_lse, context_lens, out,
-            plan.tokens_per_split, n_heads, out.stride(0), out.stride(1),
+            plan.tokens_per_split, window, n_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=plan.num_splits, SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+            BLOCK_SIZE=block_size, TILE_N=tile_n, WINDOWED=window > 0,
         )  # fmt: skip
     return out

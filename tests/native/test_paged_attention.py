@@ -3,7 +3,7 @@ kernels (CPU interpreter, see conftest.py) against the reference, and the dispat
 
 Every cache is filled with NaN before the live tokens are written, and block-table padding
 points at NaN blocks or out of range: a kernel that reads one position it should not read
-returns NaN.
+returns NaN. The sliding-window cases also poison every position before each window.
 """
 
 from __future__ import annotations
@@ -88,11 +88,14 @@ def make_case(
     return PagedCase(q, k_cache, v_cache, block_tables, context_lens, keys, values, head_dim**-0.5)
 
 
-def dense_attention(case: PagedCase) -> Tensor:
-    """Per-sequence attention over contiguous K/V in float64 with an explicit softmax."""
+def dense_attention(case: PagedCase, window: int = 0) -> Tensor:
+    """Per-sequence attention over contiguous K/V in float64 with an explicit softmax; with a
+    window, over the last ``window`` positions only."""
     n_heads = case.q.shape[1]
     outs = []
     for b, (k, v) in enumerate(zip(case.keys, case.values)):
+        if window > 0:
+            k, v = k[-window:], v[-window:]  # positions max(0, L - window) .. L - 1
         group = n_heads // k.shape[1]
         k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
         v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
@@ -102,10 +105,11 @@ def dense_attention(case: PagedCase) -> Tensor:
     return torch.stack(outs).to(case.q.dtype)  # (B, H, D)
 
 
-def run_reference(case: PagedCase, max_context_len: int | None = None) -> Tensor:
+def run_reference(case: PagedCase, max_context_len: int | None = None, **overrides: Any) -> Tensor:
     return pa.paged_decode_attention_reference(
-        case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale, max_context_len
-    )
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale, max_context_len,
+        **overrides,
+    )  # fmt: skip
 
 
 def run_triton(case: PagedCase, max_context_len: int | None = None, **overrides: Any) -> Tensor:
@@ -117,6 +121,20 @@ def run_triton(case: PagedCase, max_context_len: int | None = None, **overrides:
 
 def edge_lens(block_size: int, long: int) -> list[int]:
     return [1, block_size - 1, block_size, block_size + 1, long]
+
+
+def poison_before_window(case: PagedCase, window: int) -> None:
+    """Fill the cache with NaN at every position before each sequence's window, and point the
+    table entries of the blocks wholly before it out of range: a kernel that reads such a
+    position returns NaN, one that follows such an entry reads out of bounds."""
+    num_blocks, block_size = case.k_cache.shape[:2]
+    for b, n in enumerate(case.context_lens.tolist()):
+        lo = max(0, n - window)
+        pos = torch.arange(lo)
+        ids = case.block_tables[b, pos // block_size].long()
+        case.k_cache[ids, pos % block_size] = float("nan")
+        case.v_cache[ids, pos % block_size] = float("nan")
+        case.block_tables[b, : lo // block_size] = num_blocks + 1000
 
 
 def assert_close(out: Tensor, expected: Tensor) -> None:
@@ -183,6 +201,47 @@ def test_reference_mixed_q_and_cache_dtypes() -> None:
     case = make_case([9, 30], 8, 8, 2, 32, dtype=torch.bfloat16)
     case.q = case.q.float()
     assert_close(run_reference(case), dense_attention(case))
+
+
+# Windows: a single token, smaller than a block, spanning several blocks, past every context.
+WINDOWS = [1, 5, 21, 2000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize(
+    "heads,dtype",
+    [(STARTER, torch.float32), ((8, 2, 64), torch.float16), ((4, 4, 32), torch.bfloat16)],
+    ids=lambda p: str(p).replace("torch.", "") if not isinstance(p, tuple) else "x".join(map(str, p)),
+)
+def test_reference_window_matches_dense(
+    window: int, block_size: int, heads: tuple[int, int, int], dtype: torch.dtype
+) -> None:
+    case = make_case(edge_lens(block_size, 1000) + [37], block_size, *heads, dtype=dtype, seed=20 + block_size)
+    expected = dense_attention(case, window)
+    poison_before_window(case, window)
+    assert_close(run_reference(case, window=window), expected)
+    assert_close(run_reference(case, max_context_len=1000, window=window), expected)
+
+
+@pytest.mark.parametrize("budget_blocks", [1, 2, 6, 10])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_reference_window_in_small_steps(budget_blocks: int, dtype: torch.dtype) -> None:
+    # A window of 50 with 16-token blocks spans at most 5 blocks: budgets of 1 and 2 blocks
+    # split one sequence's window into steps, 6 and 10 take one and two whole windows a step.
+    block_size, (n_heads, n_kv, head_dim), window = 16, STARTER, 50
+    block_bytes = block_size * n_kv * head_dim * 4
+    case = make_case([300, 1, 17, 160, 33, 58], block_size, n_heads, n_kv, head_dim, dtype=dtype, seed=21)
+    expected = dense_attention(case, window)
+    poison_before_window(case, window)
+    out = run_reference(case, window=window, step_bytes=budget_blocks * block_bytes)
+    assert_close(out, expected)
+
+
+def test_reference_rejects_a_negative_window() -> None:
+    case = make_case([5], 8, 4, 2, 16)
+    with pytest.raises(ValueError, match="window"):
+        run_reference(case, window=-1)
 
 
 # ---------------------------------------------------------------- Triton decode vs reference
@@ -272,6 +331,67 @@ def test_triton_decode_strided_q() -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("window", [1, 3, 21, 500])
+@pytest.mark.parametrize(
+    "block_size,heads,dtype",
+    [
+        (8, (4, 4, 32), torch.float32),  # GQA ratio 1
+        (16, STARTER, torch.float32),  # ratio 3
+        (16, STARTER, torch.float16),
+        (16, (8, 2, 16), torch.float16),  # ratio 4
+    ],
+    ids=lambda p: str(p).replace("torch.", "") if not isinstance(p, tuple) else "x".join(map(str, p)),
+)
+def test_triton_decode_window_matches_dense(
+    window: int, block_size: int, heads: tuple[int, int, int], dtype: torch.dtype
+) -> None:
+    case = make_case(edge_lens(block_size, 3 * block_size + 5) + [2 * block_size + 11], block_size, *heads,
+                     dtype=dtype, seed=22)  # fmt: skip
+    expected = dense_attention(case, window)
+    poison_before_window(case, window)
+    out = run_triton(case, max_context_len=int(case.context_lens.max()), window=window, num_splits=1)
+    assert_close(out, expected)
+    assert_close(run_reference(case, window=window), expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [10, 100])
+@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_triton_decode_window_context_splits(window: int, num_splits: int, use_dot: bool) -> None:
+    # 16-token tiles in 32-token blocks: for the sequences of 64 and 120 tokens (and 150 with
+    # the window of 100) the window starts in the second tile of its first block, and the
+    # walk starts there. Splits divide the walked part; the 7-token sequence fills one split.
+    case = make_case([150, 7, 64, 120], 32, *STARTER, seed=23)
+    expected = dense_attention(case, window)
+    poison_before_window(case, window)
+    out = run_triton(case, max_context_len=150, window=window, num_splits=num_splits, use_dot=use_dot, tile_n=16)
+    assert_close(out, expected)
+
+
+@needs_triton
+def test_triton_decode_window_tiles_span_blocks_and_splits_by_default() -> None:
+    from llmlocal.native.paged_attention.triton_decode import plan_splits
+
+    # 64-token tiles over 8-token blocks: the walk starts at the window's first block.
+    for window in (3, 20):
+        case = make_case([11, 16, 5, 70, 61], 8, 8, 2, 32, padding="minus_one", seed=24)
+        expected = dense_attention(case, window)
+        poison_before_window(case, window)
+        assert_close(run_triton(case, max_context_len=70, window=window, tile_n=64), expected)
+        # No hint: the table width bounds the context.
+        assert_close(run_triton(case, window=window, num_splits=2, tile_n=16), expected)
+
+    # The launcher sizes its splits to the window, not the context: 700 tokens would get 3
+    # splits, a window of 300 in 32-token blocks walks at most 331 tokens and gets 2.
+    assert plan_splits(min(700, 300 + 32 - 1), 2, num_sms=16, tile_n=64).num_splits == 2
+    case = make_case([700, 3, 333], 32, 8, 1, 32, dtype=torch.float16, seed=25)
+    expected = dense_attention(case, 300)
+    poison_before_window(case, 300)
+    assert_close(run_triton(case, max_context_len=700, window=300, tile_n=64), expected)
+
+
+@needs_triton
 def test_triton_decode_rejects_bad_arguments() -> None:
     case = make_case([5], 8, 4, 2, 16)
     with pytest.raises(ValueError, match="multiple of n_kv_heads"):
@@ -287,6 +407,8 @@ def test_triton_decode_rejects_bad_arguments() -> None:
         run_triton(case, tile_n=24)
     with pytest.raises(ValueError, match="num_splits"):
         run_triton(case, num_splits=0)
+    with pytest.raises(ValueError, match="window"):
+        run_triton(case, window=-1)
 
 
 # ---------------------------------------------------------------- write_kv
@@ -406,6 +528,20 @@ def test_dispatch_uses_the_reference_on_cpu_without_the_interpreter(monkeypatch:
     assert torch.equal(out, run_reference(case))
 
 
+@pytest.mark.parametrize("interpret", [True, False])
+def test_dispatch_passes_the_window(interpret: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if interpret and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if not interpret:
+        monkeypatch.delenv("TRITON_INTERPRET")
+    case = make_case([10, 3, 27], 8, 4, 2, 16, seed=12)
+    expected = dense_attention(case, 6)
+    poison_before_window(case, 6)
+    out = pa.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+                                    case.scale, 27, window=6)  # fmt: skip
+    assert_close(out, expected)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -419,10 +555,12 @@ def test_cuda_kernels_match_reference(dtype: torch.dtype, monkeypatch: pytest.Mo
     ]:
         case = make_case(lens, block_size, *heads, dtype=dtype)
         expected = run_reference(case)
+        expected_window = run_reference(case, window=100)
         for name in ("q", "k_cache", "v_cache", "block_tables", "context_lens"):
             setattr(case, name, getattr(case, name).cuda())
         assert_close(run_triton(case, max_context_len=max(lens)).cpu(), expected)
         assert_close(run_triton(case).cpu(), expected)
+        assert_close(run_triton(case, max_context_len=max(lens), window=100).cpu(), expected_window)
 
     key, value, k_cache, v_cache, slots = make_write_case(dtype, torch.float32)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
