@@ -237,7 +237,7 @@ def load_gguf(
             return _Part(int4, lambda: fix(t.float32(name)), bias, q)
 
         def vec(self, name: str, fix: RowFix = _same) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(fix(t.float32(need(name))))).to(device=device, dtype=torch.float32)
+            return torch.from_numpy(np.array(fix(t.float32(need(name))), dtype=np.float32)).to(device=device, dtype=torch.float32)
 
     src = File()
 
