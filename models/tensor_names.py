@@ -30,8 +30,10 @@ which is `rotate_half`).
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy only for the permutations: the planner imports the tables at startup
+    import numpy as np
 
 _CORE: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
