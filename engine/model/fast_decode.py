@@ -4,11 +4,13 @@ A decode step of a small model is hundreds of small torch calls (norms, RoPE, th
 attention, activations, residuals) around the projections; on the starter model (30 layers)
 they cost more than the projections' weight reads. `FastDecode` hands the whole stack of
 layers to `DecodeStack` (native/sparse_int4/csrc/module.c), which runs the same arithmetic
-in C with the projections through the same kernels, and leaves embedding, final norm, head
-and sampling to the model. It takes over the steps it can run exactly: every sequence of the
-step decoding one token (eight sequences a call), in the runner's own KV cache (float32 or
-fp16), with every projection an INT4 kernel without bias; everything else (prefill, chunks mixed with decodes,
-speculative verification) goes through the torch model.
+in C with the projections through the same kernels, and leaves embedding (with its scale),
+final norm, head and sampling to the model. Each layer's family options go with it: QK-norm,
+sandwich norms, the MLP's activation, its sliding window and which RoPE table it rotates with.
+It takes over the steps it can run exactly: every sequence of the step decoding one token
+(eight sequences a call), in the runner's own KV cache (float32 or fp16), with every
+projection a native kernel and a bias on qkv at most; everything else (prefill, chunks mixed
+with decodes) goes through the torch model.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _ORDER = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
 assert set(_ORDER) == set(SPARSITY_PROJECTIONS)
 _ATTRS = ("qkv", "o_proj", "gate_up", "down")
 MAX_ROWS = 8  # sequences per native call (the kernels' batch)
+_ACTIVATION_IDS = {"silu": 0, "gelu_tanh": 1}  # DecodeStack's gated-MLP nonlinearities
 
 
 def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Projection] | None:
@@ -106,13 +109,16 @@ class FastDecode:
         layers = []
         for layer, (k_cache, v_cache) in zip(model.layers, runner.kv_caches):
             mats = [_matrices(getattr(layer, a).kernel) for a in _ATTRS]
+            ptr = lambda m: None if m is None else m.weight.data_ptr()  # noqa: E731 (an optional norm)
             bias = layer.qkv.bias
             layers.append((layer.attn_norm.weight.data_ptr(), *mats, layer.mlp_norm.weight.data_ptr(),
-                           k_cache.data_ptr(), v_cache.data_ptr(), None if bias is None else bias.data_ptr()))
+                           k_cache.data_ptr(), v_cache.data_ptr(), None if bias is None else bias.data_ptr(),
+                           ptr(layer.q_norm), ptr(layer.k_norm), ptr(layer.post_attn_norm), ptr(layer.post_mlp_norm),
+                           layer.window, layer.local))
         first = model.layers[0]
         kv_f16 = runner.kv_caches[0][0].dtype == torch.float16
         config = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ffn, float(first.attn_norm.eps),
-                  float(first.scale), kv_f16)
+                  float(first.scale), kv_f16, _ACTIVATION_IDS[cfg.activation])
         self.stack = kernels().DecodeStack(config, layers)
         n = len(model.layers)
         self.thresholds = np.zeros(n * 4, dtype=np.float32)
@@ -122,6 +128,8 @@ class FastDecode:
         self.weights_per_row = sum(k * n for k, n in shapes)  # entries a token asks for
         self.tokens = 0
         self.cis = torch.view_as_real(model.rotary.cis).contiguous()  # (P, D/2, 2) float32: [cos, sin]
+        local = model.rotary_local  # the windowed layers' own table (Gemma 3), or None
+        self.cis_local = None if local is None else torch.view_as_real(local.cis).contiguous()
         self._generic = model.forward
         model.forward = self.forward  # type: ignore[method-assign]
         runner.native_rows = MAX_ROWS  # verification chunks come as decode rows (see ModelRunner.execute)
@@ -142,8 +150,6 @@ class FastDecode:
         if model.dtype != torch.float32 or runner.kv_caches[0][0].dtype not in (torch.float32, torch.float16):
             return None
         for layer in model.layers:
-            if layer.q_norm is not None or layer.post_attn_norm is not None or layer.window or layer.activation != "silu":
-                return None  # family options the native stack does not take yet
             for a in _ATTRS:
                 m = getattr(layer, a)
                 if not isinstance(m, SparseInt4Projection) or (m.bias is not None and a != "qkv"):
@@ -186,12 +192,14 @@ class FastDecode:
         assert meta.context_lens is not None
         lens = meta.context_lens.to(torch.int64)
         cis = self.cis[positions]  # (B, D/2, 2)
+        cis_local = None if self.cis_local is None else self.cis_local[positions]
         new = meta.slot_mapping
         for b0 in range(0, n, MAX_ROWS):  # the sequences are independent: 8 rows a call
             b1 = min(n, b0 + MAX_ROWS)
             self.stack.step(
                 h[b0].data_ptr(),
                 cis[b0].data_ptr(),
+                0 if cis_local is None else cis_local[b0].data_ptr(),
                 slots[b0].data_ptr(),
                 slots.shape[1],
                 lens[b0].data_ptr(),

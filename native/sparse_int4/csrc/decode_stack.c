@@ -4,12 +4,16 @@
  * A Llama-family decoder's layers for one decode token per sequence (fp32): what costs
  * hundreds of small torch calls per step in Python. Per layer, for each sequence:
  *
- *   x = rms_norm(h) * attn_norm;  qkv = W_qkv x'          (x' thresholded, see gemv)
- *   q, k rotated by RoPE (interleaved pairs (2j, 2j + 1), factors `cis` of the position)
+ *   x = rms_norm(h) * attn_norm;  qkv = W_qkv x' [+ qkv_bias]   (x' thresholded, see gemv)
+ *   [q_h = rms_norm(q_h) * q_norm, k_h = rms_norm(k_h) * k_norm per head]          (Qwen3, Gemma 3)
+ *   q, k rotated by RoPE (interleaved pairs (2j, 2j + 1), factors `cis` of the position, or
+ *   `cis_local` in a `local` layer: Gemma 3's sliding layers have a RoPE base of their own)
  *   k, v written to slot `slot_new` of the layer's cache (slots, Hkv, D), float or fp16
- *   a_h = softmax(scale q_h . K_g) V_g over the context slots, g = h / (H / Hkv)
- *   h += W_o a';  x = rms_norm(h) * ffn_norm;  [gate, up] = W_gu x'
- *   h += W_down (silu(gate) * up)'
+ *   a_h = softmax(scale q_h . K_g) V_g over the context slots (the last `window` of them when
+ *   the layer has one: Mistral, Gemma 3), g = h / (H / Hkv)
+ *   h += W_o a'   [rms_norm(W_o a') * post_attn_norm: Gemma 3's sandwich norms]
+ *   x = rms_norm(h) * ffn_norm;  [gate, up] = W_gu x'
+ *   h += W_down (act(gate) * up)'   [rms_norm(...) * post_ffn_norm], act silu or gelu-tanh (Gemma)
  *
  * The same arithmetic as engine/model/llama.py, in float32 (an fp16 cache rounds k and v to
  * nearest even, as torch's conversion does), with the projections through
@@ -26,6 +30,15 @@
 enum { P_QKV, P_O, P_GU, P_DOWN, N_PROJ };
 #define MAX_SEGMENTS 4 /* matrices per projection, their outputs stacked (e.g. q, k of one type, v of another) */
 
+/* How a step's attention is shared out, for one window (see attend_part): row b attends
+ * len[b] slots from slots[b * slot_stride + start[b]], in chunks[b] chunks, its units
+ * [first[b], first[b + 1]). */
+typedef struct {
+    int64_t start[SI4_MAX_BATCH], len[SI4_MAX_BATCH];
+    int chunks[SI4_MAX_BATCH], first[SI4_MAX_BATCH + 1];
+    int n_units;
+} attn_plan;
+
 typedef struct {
     int n_seg;
     MatrixObject *seg[MAX_SEGMENTS]; /* referenced */
@@ -39,7 +52,13 @@ typedef struct {
     const float **attn_norm, **ffn_norm;
     void **k_cache, **v_cache; /* float, or fp16 values when kv_f16 */
     const float **qkv_bias;    /* per layer, or NULL: added to q, k, v before RoPE (Qwen2) */
-    int kv_f16;
+    const float **q_norm, **k_norm;               /* per layer, or NULL (head_dim floats each) */
+    const float **post_attn_norm, **post_ffn_norm; /* per layer, or NULL (d floats each) */
+    int *plan_of;   /* per layer: its attention plan, 0 the whole context, p > 0 windows[p] */
+    int *windows;   /* the distinct windows (windows[0] = 0: none), n_plans of them */
+    attn_plan *plans; /* n_plans, remade every step */
+    unsigned char *local; /* per layer: RoPE by cis_local */
+    int kv_f16, activation, n_plans, any_local;
     float *x, *qkv, *att, *gu, *act, *out, *scores;
     float *part_o, *part_m, *part_l; /* chunked attention's partial results, per unit */
     size_t scores_n, part_units;
@@ -54,6 +73,14 @@ static void Stack_dealloc(StackObject *self) {
     free(self->ffn_norm);
     free(self->k_cache);
     free(self->qkv_bias);
+    free(self->q_norm);
+    free(self->k_norm);
+    free(self->post_attn_norm);
+    free(self->post_ffn_norm);
+    free(self->plan_of);
+    free(self->windows);
+    free(self->plans);
+    free(self->local);
     free(self->v_cache);
     free(self->x);
     free(self->qkv);
@@ -70,19 +97,29 @@ static void Stack_dealloc(StackObject *self) {
 
 static void *addr(PyObject *o) { return PyLong_AsVoidPtr(o); }
 
-/* DecodeStack((d, n_heads, n_kv, head_dim, d_ffn, eps, scale, kv_f16),
- *             [(attn_norm, qkv, o, gate_up, down, ffn_norm, k_cache, v_cache[, qkv_bias]), ...])
- * (a projection: a Matrix / QMatrix or a tuple of them; qkv_bias: an address or None) */
+/* DecodeStack((d, n_heads, n_kv, head_dim, d_ffn, eps, scale, kv_f16[, activation]),
+ *             [(attn_norm, qkv, o, gate_up, down, ffn_norm, k_cache, v_cache[, qkv_bias[, q_norm[, k_norm
+ *               [, post_attn_norm[, post_ffn_norm[, window[, local]]]]]]]), ...])
+ * (a projection: a Matrix / QMatrix or a tuple of them; qkv_bias and the norms: addresses of
+ * float32 vectors or None; activation 0 silu-gated, 1 gelu-tanh-gated; window: attend the last
+ * `window` slots, 0 (or None) all; local: RoPE by step's cis_local). Every option is off by
+ * default: a short tuple is a Llama layer. */
 static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     (void)kwds;
-    int d, nh, nkv, hd, ffn, kv_f16;
+    int d, nh, nkv, hd, ffn, kv_f16, act = 0;
     double eps, scale;
-    PyObject *layers;
-    if (!PyArg_ParseTuple(args, "(iiiiiddp)O!", &d, &nh, &nkv, &hd, &ffn, &eps, &scale, &kv_f16, &PyList_Type, &layers))
-        return NULL;
+    PyObject *cfg, *layers;
+    if (!PyArg_ParseTuple(args, "OO!", &cfg, &PyList_Type, &layers)) return NULL;
+    /* the config as a tuple of its own: a nested "(...)" format cannot have optional items */
+    PyObject *ct = PySequence_Tuple(cfg);
+    const int ok = ct && PyArg_ParseTuple(ct, "iiiiiddp|i:DecodeStack config", &d, &nh, &nkv, &hd, &ffn, &eps, &scale,
+                                          &kv_f16, &act);
+    Py_XDECREF(ct);
+    if (!ok) return NULL;
     const Py_ssize_t L = PyList_GET_SIZE(layers);
-    if (L < 1 || d < 1 || nh < 1 || nkv < 1 || nh % nkv || nh > SI4_MAX_HEADS || hd < 2 || hd % 2 || ffn < 1) {
-        PyErr_SetString(PyExc_ValueError, "DecodeStack: bad shape");
+    if (L < 1 || d < 1 || nh < 1 || nkv < 1 || nh % nkv || nh > SI4_MAX_HEADS || hd < 2 || hd % 2 || ffn < 1 ||
+        act < 0 || act > 1) {
+        PyErr_SetString(PyExc_ValueError, "DecodeStack: bad shape, or an activation other than 0 (silu) or 1 (gelu-tanh)");
         return NULL;
     }
     StackObject *self = (StackObject *)type->tp_alloc(type, 0);
@@ -96,6 +133,15 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->k_cache = calloc((size_t)L, sizeof(void *));
     self->qkv_bias = calloc((size_t)L, sizeof(float *));
     self->v_cache = calloc((size_t)L, sizeof(void *));
+    self->activation = act;
+    self->q_norm = calloc((size_t)L, sizeof(float *));
+    self->k_norm = calloc((size_t)L, sizeof(float *));
+    self->post_attn_norm = calloc((size_t)L, sizeof(float *));
+    self->post_ffn_norm = calloc((size_t)L, sizeof(float *));
+    self->plan_of = calloc((size_t)L, sizeof(int));
+    self->windows = calloc((size_t)L + 1, sizeof(int)); /* windows[0] = 0 */
+    self->local = calloc((size_t)L, 1);
+    self->n_plans = 1;
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd;
     const size_t B = SI4_MAX_BATCH; /* scratch rows */
     self->x = calloc(B * (size_t)d, sizeof(float));
@@ -105,7 +151,9 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->act = calloc(B * (size_t)ffn, sizeof(float));
     self->out = calloc(B * (size_t)d, sizeof(float));
     if (!self->proj || !self->attn_norm || !self->ffn_norm || !self->k_cache || !self->v_cache || !self->x ||
-        !self->qkv || !self->att || !self->gu || !self->act || !self->out) {
+        !self->qkv || !self->att || !self->gu || !self->act || !self->out || !self->qkv_bias || !self->q_norm ||
+        !self->k_norm || !self->post_attn_norm || !self->post_ffn_norm || !self->plan_of || !self->windows ||
+        !self->local) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
@@ -113,8 +161,9 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     const int want[N_PROJ][2] = {{(int)nqkv, d}, {d, nh * hd}, {2 * ffn, d}, {d, ffn}};
     for (Py_ssize_t i = 0; i < L; i++) {
         PyObject *t = PyList_GET_ITEM(layers, i);
-        PyObject *an, *fn, *kc, *vc, *m[N_PROJ], *qb = NULL;
-        if (!PyArg_ParseTuple(t, "OOOOOOOO|O", &an, &m[P_QKV], &m[P_O], &m[P_GU], &m[P_DOWN], &fn, &kc, &vc, &qb)) {
+        PyObject *an, *fn, *kc, *vc, *m[N_PROJ], *opt[5] = {NULL}, *win = NULL, *loc = NULL; /* opt: qkv_bias .. post_ffn_norm */
+        if (!PyArg_ParseTuple(t, "OOOOOOOO|OOOOOOO", &an, &m[P_QKV], &m[P_O], &m[P_GU], &m[P_DOWN], &fn, &kc, &vc,
+                              &opt[0], &opt[1], &opt[2], &opt[3], &opt[4], &win, &loc)) {
             Py_DECREF(self);
             return NULL;
         }
@@ -159,12 +208,28 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         }
         self->attn_norm[i] = addr(an), self->ffn_norm[i] = addr(fn);
         self->k_cache[i] = addr(kc), self->v_cache[i] = addr(vc);
-        self->qkv_bias[i] = qb && qb != Py_None ? addr(qb) : NULL;
-        if (PyErr_Occurred() || !self->attn_norm[i] || !self->ffn_norm[i] || !self->k_cache[i] || !self->v_cache[i]) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "DecodeStack: a null address");
+        const float **opt_at[5] = {self->qkv_bias, self->q_norm, self->k_norm, self->post_attn_norm, self->post_ffn_norm};
+        for (int o = 0; o < 5; o++) opt_at[o][i] = opt[o] && opt[o] != Py_None ? addr(opt[o]) : NULL;
+        const long w = win && win != Py_None ? PyLong_AsLong(win) : 0;
+        const int lc = loc ? PyObject_IsTrue(loc) : 0;
+        if (PyErr_Occurred() || !self->attn_norm[i] || !self->ffn_norm[i] || !self->k_cache[i] || !self->v_cache[i] ||
+            w < 0 || w > INT32_MAX || lc < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "DecodeStack: a null address or a negative window");
             Py_DECREF(self);
             return NULL;
         }
+        /* layers of one window share its plan (models have one or two windows) */
+        int p = 0;
+        while (p < self->n_plans && self->windows[p] != (int)w) p++;
+        if (p == self->n_plans) self->windows[self->n_plans++] = (int)w;
+        self->plan_of[i] = p;
+        self->local[i] = (unsigned char)lc;
+        self->any_local |= lc;
+    }
+    self->plans = calloc((size_t)self->n_plans, sizeof(attn_plan));
+    if (!self->plans) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
     }
     return (PyObject *)self;
 }
@@ -188,12 +253,10 @@ typedef struct {
     StackObject *s;
     si4_attend_fn attend;
     const void *kc, *vc;
-    const int64_t *slots, *lens;
+    const int64_t *slots;
     size_t slot_stride, scores_per_part;
     int batch;
-    int chunks[SI4_MAX_BATCH];    /* row b's context in chunks[b] pieces */
-    int first[SI4_MAX_BATCH + 1]; /* row b's units: [first[b], first[b + 1]) */
-    int n_units;
+    const attn_plan *plan; /* the layer's window's */
     atomic_int next, part_ids;
 } attn_job;
 
@@ -211,14 +274,16 @@ static void attend_part(void *arg, int part, int n_parts) {
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd;
     /* a scores area of its own: (n_heads, ATTN_CHUNK) */
     float *scores = s->scores + (size_t)atomic_fetch_add(&j->part_ids, 1) * j->scores_per_part;
-    for (int u; (u = atomic_fetch_add(&j->next, 1)) < j->n_units;) {
+    const attn_plan *pl = j->plan;
+    for (int u; (u = atomic_fetch_add(&j->next, 1)) < pl->n_units;) {
         int b = 0;
-        while (u >= j->first[b + 1]) b++;
-        const int nc = j->chunks[b], c = u - j->first[b];
-        const int64_t len = j->lens[b];
+        while (u >= pl->first[b + 1]) b++;
+        const int nc = pl->chunks[b], c = u - pl->first[b];
+        const int64_t len = pl->len[b];
         const int i0 = (int)(len * c / nc), i1 = (int)(len * (c + 1) / nc);
         si4_attn_unit unit = {
-            .q = s->qkv + (size_t)b * nqkv, .kc = j->kc, .vc = j->vc, .kv_f16 = s->kv_f16, .slots = j->slots + (size_t)b * j->slot_stride + i0,
+            .q = s->qkv + (size_t)b * nqkv, .kc = j->kc, .vc = j->vc, .kv_f16 = s->kv_f16,
+            .slots = j->slots + (size_t)b * j->slot_stride + pl->start[b] + i0,
             .n_ctx = i1 - i0, .n_kv = nkv, .group = nh / nkv, .hd = hd, .row = (size_t)nkv * hd, .scale = s->scale,
             .scores = scores, .out = s->att + (size_t)b * nh * hd,
         };
@@ -237,7 +302,7 @@ static void attn_merge(const attn_job *j) {
     const StackObject *s = j->s;
     const int nh = s->n_heads, hd = s->head_dim;
     for (int b = 0; b < j->batch; b++) {
-        const int nc = j->chunks[b], u0 = j->first[b];
+        const int nc = j->plan->chunks[b], u0 = j->plan->first[b];
         if (nc == 1) continue;
         for (int h = 0; h < nh; h++) {
             float mx = -INFINITY, den = 0.0f;
@@ -257,38 +322,56 @@ static void attn_merge(const attn_job *j) {
     }
 }
 
+/* Row b's attention over the last min(lens[b], window) of its slots (window 0: all of them),
+ * cut into chunks for every thread to have one, whatever the batch: a row's attention sums in
+ * the same order alone or batched (a verified draft token gets the numbers of decoding it). */
+static void plan_attention(attn_plan *p, int window, int batch, const int64_t *lens, int want) {
+    p->first[0] = 0;
+    for (int b = 0; b < batch; b++) {
+        p->len[b] = window > 0 && lens[b] > window ? window : lens[b];
+        p->start[b] = lens[b] - p->len[b];
+        p->chunks[b] = n_chunks(p->len[b], want);
+        p->first[b + 1] = p->first[b] + p->chunks[b];
+    }
+    p->n_units = p->first[batch];
+}
+
+/* x's n values rms-normalised and scaled by w, in place, added to h (a sandwich norm) */
+static void add_normed(float *h, float *x, const float *w, int n, float eps) {
+    rms_norm(x, w, x, n, eps);
+    for (int i = 0; i < n; i++) h[i] += x[i];
+}
+
 /* One token of each of `batch` (1..SI4_MAX_BATCH) sequences through every layer; h (batch, d)
  * is updated in place. Row b attends to its lens[b] slots slots[b * slot_stride ..] (its own
- * new slot last). Returns 0, or -1 out of memory. */
-static int stack_step(StackObject *s, int batch, float *h, const float *cis, const int64_t *slots, size_t slot_stride,
-                      const int64_t *lens, const int64_t *slot_new, const float *thresholds, int64_t *kept) {
+ * new slot last), or a windowed layer to the last of them. cis_local: RoPE of local layers.
+ * Returns 0, or -1 out of memory. */
+static int stack_step(StackObject *s, int batch, float *h, const float *cis, const float *cis_local,
+                      const int64_t *slots, size_t slot_stride, const int64_t *lens, const int64_t *slot_new,
+                      const float *thresholds, int64_t *kept) {
     const int d = s->d, nh = s->n_heads, nkv = s->n_kv, hd = s->head_dim, ffn = s->d_ffn, half = hd / 2;
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
-    /* the attention's units (the same for every layer) and scratch */
-    int first[SI4_MAX_BATCH + 1] = {0}, chunks[SI4_MAX_BATCH];
-    /* chunks per row for every thread to have one, whatever the batch: a row's attention sums
-     * in the same order alone or batched (a verified draft token gets the numbers of decoding it) */
-    const int want = si4_pool_size();
-    for (int b = 0; b < batch; b++) {
-        chunks[b] = n_chunks(lens[b], want);
-        first[b + 1] = first[b] + chunks[b];
+    /* the attention's units, one plan per window (the same for every layer of it), and scratch */
+    int max_units = 0;
+    for (int p = 0; p < s->n_plans; p++) {
+        plan_attention(&s->plans[p], s->windows[p], batch, lens, si4_pool_size());
+        if (s->plans[p].n_units > max_units) max_units = s->plans[p].n_units;
     }
-    const int n_units = first[batch];
     const size_t need = (size_t)si4_pool_size() * (size_t)nh * ATTN_CHUNK;
     if (need > s->scores_n) {
         float *p = realloc(s->scores, sizeof(float) * need);
         if (!p) return -1;
         s->scores = p, s->scores_n = need;
     }
-    if ((size_t)n_units > s->part_units) {
-        float *o = realloc(s->part_o, sizeof(float) * (size_t)n_units * nh * hd);
+    if ((size_t)max_units > s->part_units) {
+        float *o = realloc(s->part_o, sizeof(float) * (size_t)max_units * nh * hd);
         if (o) s->part_o = o;
-        float *pm = realloc(s->part_m, sizeof(float) * (size_t)n_units * nh);
+        float *pm = realloc(s->part_m, sizeof(float) * (size_t)max_units * nh);
         if (pm) s->part_m = pm;
-        float *pl = realloc(s->part_l, sizeof(float) * (size_t)n_units * nh);
+        float *pl = realloc(s->part_l, sizeof(float) * (size_t)max_units * nh);
         if (pl) s->part_l = pl;
         if (!o || !pm || !pl) return -1;
-        s->part_units = (size_t)n_units;
+        s->part_units = (size_t)max_units;
     }
     int32_t counts[SI4_MAX_BATCH];
     const si4_attend_fn attend = si4_attend_for(si4_current_isa());
@@ -298,6 +381,8 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
         const float *t = thresholds + (size_t)l * N_PROJ;
         int64_t *kl = kept + (size_t)l * N_PROJ;
         void *kc = s->k_cache[l], *vc = s->v_cache[l];
+        const float *qn = s->q_norm[l], *kn = s->k_norm[l], *pan = s->post_attn_norm[l], *pfn = s->post_ffn_norm[l];
+        const float *rope = s->local[l] ? cis_local : cis;
         /* kept[P] gains every row's own count of inputs read (the columns skipped per row) */
 #define GEMV(P, X, Y, NOUT)                                                                                   \
     do {                                                                                                      \
@@ -316,9 +401,11 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
                 for (size_t i = 0; i < nqkv; i++) s->qkv[(size_t)b * nqkv + i] += s->qkv_bias[l][i];
         for (int b = 0; b < batch; b++) {
             float *qkv = s->qkv + (size_t)b * nqkv;
-            const float *rot = cis + (size_t)b * hd;
+            const float *rot = rope + (size_t)b * hd;
             for (int head = 0; head < nh + nkv; head++) { /* q and k heads: (a + ib)(c + is) */
                 float *v = qkv + (size_t)head * hd;
+                const float *w = head < nh ? qn : kn;
+                if (w) rms_norm(v, w, v, hd, s->eps); /* QK-norm, before RoPE */
                 for (int j = 0; j < half; j++) {
                     const float a = v[2 * j], bb = v[2 * j + 1], c = rot[2 * j], sn = rot[2 * j + 1];
                     v[2 * j] = a * c - bb * sn;
@@ -335,53 +422,69 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
             }
         }
         attn_job job = {.s = s, .attend = attend, .kc = kc, .vc = vc, .slots = slots, .slot_stride = slot_stride,
-                        .lens = lens, .batch = batch, .n_units = n_units,
+                        .batch = batch, .plan = &s->plans[s->plan_of[l]],
                         .scores_per_part = (size_t)nh * ATTN_CHUNK};
-        memcpy(job.first, first, sizeof first);
-        memcpy(job.chunks, chunks, sizeof chunks);
         atomic_init(&job.next, 0);
         atomic_init(&job.part_ids, 0);
-        const int parts = si4_pool_size() < n_units ? si4_pool_size() : n_units;
+        const int n_units = job.plan->n_units, parts = si4_pool_size() < n_units ? si4_pool_size() : n_units;
         si4_pool_run(attend_part, &job, parts);
         attn_merge(&job);
         GEMV(P_O, s->att, s->out, d);
-        for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
+        if (pan)
+            for (int b = 0; b < batch; b++) add_normed(h + (size_t)b * d, s->out + (size_t)b * d, pan, d, s->eps);
+        else
+            for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
         for (int b = 0; b < batch; b++) rms_norm(h + (size_t)b * d, s->ffn_norm[l], s->x + (size_t)b * d, d, s->eps);
         GEMV(P_GU, s->x, s->gu, 2 * ffn);
         for (int b = 0; b < batch; b++) {
             const float *gu = s->gu + (size_t)b * 2 * ffn;
             float *act = s->act + (size_t)b * ffn;
-            for (int i = 0; i < ffn; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[ffn + i];
+            if (s->activation == 1) /* gelu, tanh approximation (Gemma's gelu_pytorch_tanh) */
+                for (int i = 0; i < ffn; i++) {
+                    const float g = gu[i];
+                    act[i] = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * gu[ffn + i];
+                }
+            else
+                for (int i = 0; i < ffn; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[ffn + i];
         }
         GEMV(P_DOWN, s->act, s->out, d);
-        for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
+        if (pfn)
+            for (int b = 0; b < batch; b++) add_normed(h + (size_t)b * d, s->out + (size_t)b * d, pfn, d, s->eps);
+        else
+            for (size_t i = 0; i < (size_t)batch * d; i++) h[i] += s->out[i];
 #undef GEMV
     }
     return 0;
 }
 
-/* step(h, cis, slots, slot_stride, lens, slot_new, batch, thresholds, kept): addresses of
- * h (batch, d) float32, cis (batch, head_dim) float32 [cos, sin] pairs of each row's position,
+/* step(h, cis, cis_local, slots, slot_stride, lens, slot_new, batch, thresholds, kept):
+ * addresses of h (batch, d) float32, cis (batch, head_dim) float32 [cos, sin] pairs of each
+ * row's position, cis_local the same for the local layers' RoPE (0 when there are none),
  * slots (batch, slot_stride) int64 (row b's context, its new token's slot last, lens[b] of
  * them), lens (batch,) int64, slot_new (batch,) int64, thresholds (n_layers * 4,) float32
  * (<= 0: dense), kept (n_layers * 4,) int64 (each projection's inputs read, summed over rows,
  * are added). */
 static PyObject *Stack_step(StackObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "step(h, cis, slots, slot_stride, lens, slot_new, batch, thresholds, kept)");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "step(h, cis, cis_local, slots, slot_stride, lens, slot_new, batch, thresholds, kept)");
         return NULL;
     }
     float *h = addr(args[0]);
-    const float *cis = addr(args[1]);
-    const int64_t *slots = addr(args[2]);
-    const Py_ssize_t stride = PyLong_AsSsize_t(args[3]);
-    const int64_t *lens = addr(args[4]), *slot_new = addr(args[5]);
-    const long batch = PyLong_AsLong(args[6]);
-    const float *t = addr(args[7]);
-    int64_t *kept = addr(args[8]);
+    const float *cis = addr(args[1]), *cis_local = args[2] == Py_None ? NULL : addr(args[2]);
+    const int64_t *slots = addr(args[3]);
+    const Py_ssize_t stride = PyLong_AsSsize_t(args[4]);
+    const int64_t *lens = addr(args[5]), *slot_new = addr(args[6]);
+    const long batch = PyLong_AsLong(args[7]);
+    const float *t = addr(args[8]);
+    int64_t *kept = addr(args[9]);
     if (PyErr_Occurred()) return NULL;
     if (!h || !cis || !slots || !lens || !slot_new || !t || !kept || stride < 1 || batch < 1 || batch > SI4_MAX_BATCH) {
         PyErr_Format(PyExc_ValueError, "step: a null address, or batch %ld outside 1..%d", batch, SI4_MAX_BATCH);
+        return NULL;
+    }
+    if (self->any_local && !cis_local) {
+        PyErr_SetString(PyExc_ValueError, "step: a local layer needs cis_local");
         return NULL;
     }
     for (long b = 0; b < batch; b++)
@@ -392,7 +495,7 @@ static PyObject *Stack_step(StackObject *self, PyObject *const *args, Py_ssize_t
     int r;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&si4_call_lock);
-    r = stack_step(self, (int)batch, h, cis, slots, (size_t)stride, lens, slot_new, t, kept);
+    r = stack_step(self, (int)batch, h, cis, cis_local, slots, (size_t)stride, lens, slot_new, t, kept);
     pthread_mutex_unlock(&si4_call_lock);
     Py_END_ALLOW_THREADS
     if (r < 0) return PyErr_NoMemory();
