@@ -19,6 +19,7 @@ from gguf import Keys
 
 from llmlocal.models.tensor_names import hf_to_gguf_name
 
+from .encode import decode
 from .errors import CheckpointError
 from .gguf_writer import KV
 from .hf_config import IGNORED_SUFFIXES, LlamaFamilyConfig, parse_config
@@ -28,7 +29,8 @@ from .source import ArrayRows, ModelSource, SourceTensor
 
 INDEX = "model.safetensors.index.json"
 # GGUF tensors in the order llama.cpp's converter writes them, per block.
-_BLOCK_ORDER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+_BLOCK_ORDER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_q_norm", "attn_k_norm", "attn_output",
+                "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,23 @@ class _SafetensorsRows:
         self.file.release(self.entry, start, stop)
 
 
-def _gguf_name(hf_name: str) -> str | None:
-    name = hf_to_gguf_name(hf_name)
+@dataclass(frozen=True)
+class _OffsetRows:
+    """Rows of a float tensor plus a constant, as float32 (Gemma's norm weights: ``1 + w``)."""
+
+    inner: _SafetensorsRows
+    ggml_type: str
+    offset: float
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        return decode(self.inner.rows(start, stop), self.ggml_type) + np.float32(self.offset)
+
+    def release(self, start: int, stop: int) -> None:
+        self.inner.release(start, stop)
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str | None:
+    name = hf_to_gguf_name(hf_name, arch)
     if name is None and hf_name.startswith("model.layers.") and hf_name.endswith(".self_attn.o_proj.bias"):
         name = f"blk.{hf_name.split('.')[2]}.attn_output.bias"  # llama's attention_bias=True
     return name
@@ -136,7 +153,7 @@ def _fill(source: ModelSource, directory: Path, config: dict[str, Any], cfg: Lla
     for hf_name, (st, entry) in entries.items():
         if hf_name.endswith(IGNORED_SUFFIXES):
             continue
-        if hf_name not in expected or _gguf_name(hf_name) is None:
+        if hf_name not in expected or _gguf_name(hf_name, cfg.architecture) is None:
             raise CheckpointError(
                 f"{st.path} holds tensor '{hf_name}', which a {cfg.model_type} model with this config.json "
                 "does not have: the weights and config.json disagree (or the model is not a plain "
@@ -166,12 +183,14 @@ def _fill(source: ModelSource, directory: Path, config: dict[str, Any], cfg: Lla
     for hf_name, (st, entry) in entries.items():
         if hf_name.endswith(IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and cfg.tie_embeddings):
             continue
-        gguf_name = _gguf_name(hf_name)
+        gguf_name = _gguf_name(hf_name, cfg.architecture)
         assert gguf_name is not None
         shape = entry.shape if len(entry.shape) > 1 else (entry.n_elements,)
-        tensors[gguf_name] = SourceTensor(
-            gguf_name, shape, DTYPES[entry.dtype][1], _SafetensorsRows(st, entry), cfg.permute_heads(gguf_name)
-        )
+        stored_type = DTYPES[entry.dtype][1]
+        reader: _SafetensorsRows | _OffsetRows = _SafetensorsRows(st, entry)
+        if cfg.adds_to(gguf_name):
+            reader, stored_type = _OffsetRows(reader, stored_type, cfg.adds_to(gguf_name)), "F32"
+        tensors[gguf_name] = SourceTensor(gguf_name, shape, stored_type, reader, cfg.permute_heads(gguf_name))
     source.tensors = sorted(tensors.values(), key=lambda t: _order(t.name))
     weights = Counter()
     for t in source.tensors:
@@ -190,6 +209,13 @@ def _fill(source: ModelSource, directory: Path, config: dict[str, Any], cfg: Lla
         *tok.metadata,
     ]
     source.warnings = tok.warnings
+    if cfg.model_type in ("mistral", "phi3") and cfg.sliding_window and cfg.sliding_window < cfg.context_length:
+        # The key is written (as llama.cpp's converter does), but llama.cpp's llama and phi3
+        # architectures attend to the whole context whatever it says.
+        source.warnings.append(
+            f"llama.cpp runs {cfg.model_type} without its {cfg.sliding_window}-token sliding window: with more "
+            "context than that, its output differs from the original model's"
+        )
     if not has_head and not cfg.tie_embeddings:
         source.warnings.append("the checkpoint has no lm_head.weight; the output layer will reuse the token embeddings")
 
@@ -219,12 +245,13 @@ def _model_card_keys(directory: Path) -> list[KV]:
 
 
 def _order(gguf_name: str) -> tuple[int, int, str]:
-    """rope_freqs, token_embd, blocks in order (each in `_BLOCK_ORDER`), output_norm, output."""
+    """rope_freqs / rope_factors_*, token_embd, blocks in order (each in `_BLOCK_ORDER`), output_norm, output."""
     if gguf_name.startswith("blk."):
         _, layer, kind, _ = gguf_name.split(".", 3)
         rank = _BLOCK_ORDER.index(kind) if kind in _BLOCK_ORDER else len(_BLOCK_ORDER)
         return (1, int(layer) * 100 + rank, gguf_name)
-    head = {"rope_freqs.weight": -2, "token_embd.weight": -1}
+    head = {"rope_freqs.weight": -4, "rope_factors_long.weight": -3, "rope_factors_short.weight": -2,
+            "token_embd.weight": -1}
     if gguf_name in head:
         return (0, head[gguf_name], gguf_name)
     return (2, 0, gguf_name)

@@ -19,12 +19,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from llmlocal.models import read_gguf_header
+from llmlocal.models.tensor_names import ENGINE_ARCHS
 
 from .errors import CheckpointError
 from .gguf_writer import KV
 from .source import ModelSource, SourceTensor
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ENGINE_ARCHS  # what calibration runs through the engine's own decoder
 # Keys the converter writes itself (or that describe the old file's layout, not the model).
 _REPLACED = ("general.file_type", "general.quantization_version", "general.alignment")
 
@@ -102,7 +103,7 @@ def open_gguf(path: Path) -> ModelSource:
     arch = md.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(
-            f"{path} is a '{arch}' model; llmlocal quantize converts llama, mistral and qwen2 models only."
+            f"{path} is a '{arch}' model; llmlocal quantize converts llama, mistral, qwen2, qwen3, gemma3 and phi3 models only."
         )
     if int(md.get("split.count", 1) or 1) > 1:
         raise CheckpointError(

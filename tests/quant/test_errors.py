@@ -37,7 +37,7 @@ def test_directory_without_config(cli: Cli, tmp_path: Path) -> None:
 def test_unsupported_architecture(cli: Cli, random_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     src = random_checkpoint(extra_config={"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]})
     code, _, err = _convert(cli, src, tmp_path / "o.gguf")
-    assert_one_sentence_error(code, err, "'gemma2'", "llama, mistral and qwen2")
+    assert_one_sentence_error(code, err, "'gemma2'", "llama, mistral, qwen2, qwen3")
 
 
 def test_missing_shard(cli: Cli, random_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
