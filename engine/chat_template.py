@@ -121,10 +121,13 @@ class ChatTemplate:
 
         tools = list(tools or [])
         uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
+        # As Hugging Face's renderer: ``tools`` and ``documents`` are always defined, None when
+        # there are none (templates test ``tools is defined`` as well as ``tools is not none``).
+        extra: dict[str, Any] = {"tools": None, "documents": None}
         if uses_tools and not self.knows_tools:
-            extra: dict[str, Any] = {"messages": plain_messages(messages, tools)}
+            extra["messages"] = plain_messages(messages, tools)
         else:
-            extra = {"messages": template_messages(messages)}
+            extra["messages"] = template_messages(messages)
             if tools:
                 extra["tools"] = tools
         try:
