@@ -127,12 +127,20 @@ def hf_to_gguf_name(name: str, arch: str = "llama") -> str | None:
     return g.format(i=i) if g is not None else None
 
 
-def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+def permute_qk(w: np.ndarray, n_heads: int, rotary: int = 0) -> np.ndarray:
     """HF row order -> llama.cpp's interleaved order (what the converter does to q and k).
 
-    ``w`` is (n_heads * head_dim, ...) — a weight (rows x in) or a bias (rows,).
+    ``w`` is (n_heads * head_dim, ...) — a weight (rows x in) or a bias (rows,). ``rotary`` > 0:
+    only the first ``rotary`` rows of each head rotate (partial RoPE); the rest keep their order.
     """
     head_dim = w.shape[0] // n_heads
+    if rotary and rotary < head_dim:
+        import numpy as np
+
+        heads = w.reshape(n_heads, head_dim, *w.shape[1:])
+        rot = heads[:, :rotary].reshape(n_heads * rotary, *w.shape[1:])
+        rot = permute_qk(rot, n_heads).reshape(n_heads, rotary, *w.shape[1:])
+        return np.concatenate([rot, heads[:, rotary:]], axis=1).reshape(w.shape)
     # (H, 2, D/2, ...) -> (H, D/2, 2, ...)
     return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

@@ -71,6 +71,11 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer (0: whole context); () for none windowed
     rope_local_theta: float | None = None  # RoPE base of windowed layers, None: rope_theta
     final_softcap: float = 0.0
+    rope_dims: int = 0  # dimensions of each q/k head that rotate (0: all; Phi-4-mini rotates 3/4)
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.rope_dims or self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -94,11 +99,18 @@ class ModelConfig:
         divided by `factor`, those shorter than original_max / high_freq_factor are kept, and
         the band between is interpolated smoothly.
         """
-        d = self.head_dim
+        d = self.rotary_dims
         freqs = [self.rope_theta ** (-(2 * i) / d) for i in range(d // 2)]
+        return self._scaled(freqs) + self._still()
+
+    def _still(self) -> list[float]:
+        """Frequency 0 for the pairs past the rotary dimensions: they do not rotate."""
+        return [0.0] * ((self.head_dim - self.rotary_dims) // 2)
+
+    def _scaled(self, freqs: list[float]) -> list[float]:
         s = self.rope_scaling
-        if s.kind == "longrope":
-            return [f / r for f, r in zip(freqs, s.divisors)]
+        if s.kind == "longrope":  # (a GGUF stores the factors as tensors, which the loader applies)
+            return [f / r for f, r in zip(freqs, s.divisors)] if s.divisors else freqs
         if s.kind == "linear":
             return [f / s.factor for f in freqs]
         if s.kind == "llama3":
@@ -121,8 +133,8 @@ class ModelConfig:
 
     def local_inv_freq(self) -> list[float]:
         """RoPE inverse frequencies of the windowed layers (unscaled, base rope_local_theta)."""
-        d, base = self.head_dim, self.rope_local_theta or self.rope_theta
-        return [base ** (-(2 * i) / d) for i in range(d // 2)]
+        d, base = self.rotary_dims, self.rope_local_theta or self.rope_theta
+        return [base ** (-(2 * i) / d) for i in range(d // 2)] + self._still()
 
 
 # What each GGUF architecture turns on, beyond the llama block (see the module docstring).
@@ -202,7 +214,17 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         layer_windows=_windows(arch, spec.n_layers, int(key("attention.sliding_window", 0) or 0)),
         rope_local_theta=GEMMA3_LOCAL_THETA if gemma else None,
         final_softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
+        rope_dims=_rope_dims(int(key("rope.dimension_count", 0) or 0), spec.head_dim, spec.path),
     )
+
+
+def _rope_dims(dims: int, head_dim: int, where: str) -> int:
+    """The rotated dimensions of a head (0: all of them)."""
+    if dims in (0, head_dim):
+        return 0
+    if dims > head_dim or dims % 2:
+        raise ModelFormatError(f"{where} rotates {dims} of {head_dim} head dimensions, which cannot be: fix the file.")
+    return dims
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -271,8 +293,6 @@ def config_from_hf(directory: str | Path, context: int | None = None) -> ModelCo
     d_model = int(raw["hidden_size"])
     n_layers = int(raw["num_hidden_layers"])
     rope, local_rope = _rope_parameters(raw)
-    if float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-        raise UnsupportedArchitectureError(f"{path} rotates part of each head (partial_rotary_factor), which the paged engine does not implement: use --backend llamacpp.")
     act_name = str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu")
     if act_name not in _ACTIVATIONS:
         raise UnsupportedArchitectureError(f"{path} uses the activation '{act_name}', which the paged engine does not implement: use --backend llamacpp.")
@@ -306,4 +326,6 @@ def config_from_hf(directory: str | Path, context: int | None = None) -> ModelCo
         layer_windows=_windows(arch, n_layers, window, layer_types),
         rope_local_theta=float((local_rope or {}).get("rope_theta", GEMMA3_LOCAL_THETA)) if gemma else None,
         final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
+        rope_dims=_rope_dims(int(head_dim * float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0)),
+                             head_dim, str(path)),
     )

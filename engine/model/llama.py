@@ -54,8 +54,9 @@ class Rotary(nn.Module):
         super().__init__()
         t = torch.arange(max_position, dtype=torch.float32)
         angles = torch.outer(t, inv_freq.float())  # (P, D/2)
-        # |cis| = magnitude: longrope's attention factor on cos and sin (1 for every other scaling)
-        radius = torch.full_like(angles, magnitude)
+        # |cis| = magnitude on the rotating pairs: longrope's attention factor on cos and sin (1
+        # for every other scaling); pairs of frequency 0 (past a partial rotary) stay as they are
+        radius = torch.where(inv_freq.float() > 0, magnitude, 1.0).expand_as(angles)
         self.register_buffer("cis", torch.polar(radius, angles), persistent=False)  # complex64
 
     def tables(self, positions: torch.Tensor) -> torch.Tensor:

@@ -141,12 +141,13 @@ def _qk_fixes(cfg: ModelConfig, permute: bool) -> tuple[RowFix, RowFix, RowFix, 
     (Phi-3), and of a QK-norm weight (one head); identities when ``permute`` is false."""
     if not permute:
         return _same, _same, _same, _same
-    nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    nq, nk, rot = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.rotary_dims
 
     def fused(a: np.ndarray) -> np.ndarray:
-        return np.concatenate([permute_qk(a[:nq], cfg.n_heads), permute_qk(a[nq : nq + nk], cfg.n_kv_heads), a[nq + nk :]])
+        return np.concatenate([permute_qk(a[:nq], cfg.n_heads, rot), permute_qk(a[nq : nq + nk], cfg.n_kv_heads, rot), a[nq + nk :]])
 
-    return (lambda a: permute_qk(a, cfg.n_heads)), (lambda a: permute_qk(a, cfg.n_kv_heads)), fused, (lambda a: permute_qk(a, 1))
+    return ((lambda a: permute_qk(a, cfg.n_heads, rot)), (lambda a: permute_qk(a, cfg.n_kv_heads, rot)), fused,
+            (lambda a: permute_qk(a, 1, rot)))
 
 
 def _build_layer(
@@ -185,8 +186,10 @@ def _rope(cfg: ModelConfig, divisors: np.ndarray | None) -> tuple[torch.Tensor, 
     """(inv_freq, the windowed layers' inv_freq or None); ``divisors``: per-frequency
     divisors stored in the file (llama3's rope_freqs, Phi-3's rope_factors)."""
     inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
-    if divisors is not None:
-        inv_freq = inv_freq / torch.from_numpy(np.ascontiguousarray(divisors, dtype=np.float32))
+    if divisors is not None:  # (one per rotating pair: ones for the pairs that do not rotate)
+        div = np.ones(inv_freq.shape[0], dtype=np.float32)
+        div[: len(divisors)] = divisors
+        inv_freq = inv_freq / torch.from_numpy(div)
     local = torch.tensor(cfg.local_inv_freq(), dtype=torch.float32) if cfg.rope_local_theta is not None else None
     return inv_freq, local
 

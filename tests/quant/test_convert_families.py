@@ -1,6 +1,7 @@
 """qwen3, gemma3_text, phi3 and Mistral with a sliding window: tiny random models built with
-transformers, converted by `llmlocal quantize --type f32`, run in llama.cpp, and compared
-logit for logit with transformers' fp32 forward pass. And one config per family that
+transformers, converted by `llmlocal quantize --type f32`, run in llama.cpp and in the engine's
+own decoder (through its GGUF loader), and compared logit for logit with transformers' fp32
+forward pass. And one config per family that
 llama.cpp cannot run as transformers does, refused with a sentence."""
 
 from __future__ import annotations
@@ -95,7 +96,25 @@ def _compare(tmp_path: Path, config: Any, n_ctx: int = 64, fp16_gelu: bool = Fal
     worst = np.unravel_index(diff.argmax(), diff.shape)[0]
     assert diff.max() < TOLERANCE, f"max |log p| difference {diff.max():.2e} at position {worst}"
     assert np.abs(_log_probs(got) - _log_probs(plain)).max() < 10 * TOLERANCE
+    # and the engine's own decoder on the same file: exact (fp32) against transformers
+    ours = _engine_logits(out, SEQUENCE, n_ctx)
+    assert np.abs(_log_probs(ours) - _log_probs(plain)).max() < 1e-4
     return result
+
+
+def _engine_logits(gguf: Path, tokens: list[int], n_ctx: int) -> np.ndarray:
+    from llmlocal.engine.block_manager import BlockManager
+    from llmlocal.engine.model.loader import load_gguf
+    from llmlocal.engine.model_runner import ModelRunner, StepItem
+    from llmlocal.engine.sequence import Sequence
+    from llmlocal.models import spec_from_gguf
+
+    model = load_gguf(spec_from_gguf(gguf), torch.device("cpu"), torch.float32, "dense", max_position=n_ctx)
+    runner = ModelRunner(model, num_blocks=16, block_size=16, kv_dtype=torch.float32)
+    seq = Sequence(0, tokens)
+    BlockManager(16, 16).allocate(seq)
+    logits, _ = runner.execute([StepItem(seq, 0, len(tokens), True)], all_rows=True)
+    return logits.numpy()
 
 
 def _refused(tmp_path: Path, config: Any, edit: Callable[[dict[str, Any]], None], *phrases: str) -> None:
@@ -218,3 +237,37 @@ def test_mistral_with_sliding_window_matches_transformers(tmp_path: Path) -> Non
 def test_mistral_with_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:
     _refused(tmp_path, _mistral(), lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                        "rope_theta": 10000.0}), "dynamic")
+
+
+# ---- the engine's native decode step on each family ----------------------------------------
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
+def test_native_decode_step_gives_the_torch_layers_tokens(tmp_path: Path, family: str) -> None:
+    """Converted to Q4_0, each family decodes through the native stack (`FastDecode`: QK-norm,
+    sandwich norms, GELU, windows, the local RoPE table, partial rotary) and through the torch
+    layers over the same kernels: the same greedy tokens, far past Gemma's window of 8. (A
+    4-bit file keeps fp32 activations, so the two paths agree to float rounding; with int8
+    activations a rounding flip moves this tiny random model's near ties.)"""
+    from llmlocal.engine import Engine, Plan, Request, SamplingParams, TokenEvent
+    from llmlocal.engine.model.fast_decode import FastDecode
+
+    config = {"qwen3": _qwen3(), "gemma3": _gemma3(),
+              "phi3": _phi3(sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                "partial_rotary_factor": 0.75})}[family]
+    src = tmp_path / "model"
+    _build(src, config)
+    out = tmp_path / "model-q4_0.gguf"
+    quantize(QuantizeJob(src=str(src), out=str(out), type="q4_0", evaluate=False))
+    with Engine.load(Plan(model=str(out), backend="paged", n_ctx=256)) as engine:
+        stack = engine.backend.runner.model.forward.__self__
+        assert isinstance(stack, FastDecode)
+        request = Request(prompt="Hello there, model!", sampling=SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+        runs = {}
+        try:
+            for fast in (True, False):
+                FastDecode.enabled = fast
+                before = stack.tokens
+                runs[fast] = [t for e in engine.generate(request) if isinstance(e, TokenEvent) for t in e.token_ids]
+                assert (stack.tokens > before) == fast
+        finally:
+            FastDecode.enabled = True
+    assert len(runs[True]) == 48 and runs[True] == runs[False]

@@ -41,6 +41,12 @@ def _configs() -> dict[str, object]:
                                       original_max_position_embeddings=32, rope_scaling={
                                           "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                           "long_factor": [1.0 + 0.9 * i for i in range(8)]}),
+        # Phi-4-mini's RoPE: 3/4 of each head rotates, with LongRoPE factors
+        "phi3-partial": t.Phi3Config(**SHAPE, num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0,
+                                     original_max_position_embeddings=32, rope_parameters={
+                                         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                         "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                         "long_factor": [1.0 + 0.9 * i for i in range(6)]}),
     }
 
 
@@ -67,7 +73,7 @@ def _paged(directory: Path, positions: int = 256) -> ModelRunner:
     return ModelRunner(model, num_blocks=64, block_size=4, kv_dtype=torch.float32)
 
 
-FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-longrope"]
+FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-longrope", "phi3-partial"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
