@@ -36,6 +36,9 @@ def _configs() -> dict[str, object]:
         # six layers: five local (window 8, RoPE base 10^4) and one global (10^6)
         "gemma3": t.Gemma3TextConfig(**SHAPE, num_hidden_layers=6, num_key_value_heads=1, head_dim=32,
                                      sliding_window=8, query_pre_attn_scalar=24),
+        # Gemma 2's final-logit soft-capping, on Gemma 3's block: z -> 5 tanh(z / 5)
+        "gemma3-softcap": t.Gemma3TextConfig(**SHAPE, num_hidden_layers=2, num_key_value_heads=1, head_dim=32,
+                                             sliding_window=8, query_pre_attn_scalar=32, final_logit_softcapping=5.0),
         "phi3": t.Phi3Config(**SHAPE, num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0, sliding_window=12),
         "phi3-longrope": t.Phi3Config(**SHAPE, num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0,
                                       original_max_position_embeddings=32, rope_scaling={
@@ -73,7 +76,7 @@ def _paged(directory: Path, positions: int = 256) -> ModelRunner:
     return ModelRunner(model, num_blocks=64, block_size=4, kv_dtype=torch.float32)
 
 
-FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-longrope", "phi3-partial"]
+FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3-softcap", "phi3", "phi3-longrope", "phi3-partial"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
