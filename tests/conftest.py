@@ -12,6 +12,34 @@ from llmlocal.engine import Engine, Plan
 from llmlocal.models import resolve
 
 
+def _import_triton_for_its_interpreter() -> None:
+    """Triton wraps its own language library (tl.zeros, tl.sum, ...) for the compiler or for
+    its CPU interpreter once, when it is first imported, by TRITON_INTERPRET at that moment.
+    The kernel tests switch the interpreter on per test (tests/native/conftest.py), which only
+    works if the library was wrapped for it: transformers (the reference of the model-family
+    tests) imports triton as it builds a model, without the variable. So on a machine without
+    CUDA, import triton first, with the interpreter chosen; the variable is restored at once."""
+    import importlib.util
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_import_triton_for_its_interpreter()
+
+
 @pytest.fixture(scope="session")
 def starter_path() -> str:
     return resolve().path
