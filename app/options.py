@@ -16,7 +16,7 @@ from llmlocal.models.errors import ModelNotFoundError
 from .config import BACKENDS
 
 if TYPE_CHECKING:  # keep `--help` free of engine imports
-    from llmlocal.engine import Plan, SamplingParams
+    from llmlocal.engine import Grammar, Plan, SamplingParams
     from llmlocal.engine.planner import Choice, Pins
 
 
@@ -120,6 +120,56 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
                    help="random seed for reproducible sampling (default: a new one each run)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT is generated (repeatable)")
+
+
+def add_format_options(parser: argparse.ArgumentParser, *, chat: bool = False) -> None:
+    """The structured-output flags: --format json and --json-schema FILE (`run` and `chat`);
+    for `run` also --regex and --choice. `grammar_from_args` turns them into a `Grammar`."""
+    reply = "every reply of a new chat" if chat else "the reply"
+    g = parser.add_argument_group(
+        "structured output", f"{reply} is constrained token by token" + (" (F3 changes it per chat)" if chat else "")
+    ).add_mutually_exclusive_group()
+    g.add_argument("--format", choices=["json"], default=None, help=f"json: {reply} is a JSON object")
+    g.add_argument("--json-schema", default=None, metavar="FILE", help=f"{reply} is JSON valid against the schema in FILE")
+    if chat:
+        return
+    g.add_argument("--regex", default=None, metavar="RE", help="the whole reply matches the regular expression RE")
+    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the reply is one of these strings (repeat the option)")
+
+
+def grammar_from_args(args: argparse.Namespace) -> Grammar | None:
+    """The grammar the structured-output flags ask for, or None (not yet checked: `check_grammar`)."""
+    from llmlocal.engine import Grammar
+
+    if args.format == "json":
+        return Grammar.json_object()
+    if getattr(args, "regex", None) is not None:
+        return Grammar.regex(args.regex)
+    if getattr(args, "choice", None) is not None:
+        return Grammar.choice(args.choice)
+    if args.json_schema is None:
+        return None
+    return json_schema_file_grammar(args.json_schema, "check the --json-schema path")
+
+
+def read_json_schema_file(path: str, fix: str) -> str:
+    """The text of the JSON schema file ``path``; `LLMLocalError` ending in ``fix`` if it cannot be read."""
+    from llmlocal.models.errors import LLMLocalError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise LLMLocalError(f"Cannot read the JSON schema {path} ({e.strerror}): {fix}.") from None
+    except UnicodeDecodeError:
+        raise LLMLocalError(f"The JSON schema {path} is not UTF-8 text: pass a .json file.") from None
+
+
+def json_schema_file_grammar(path: str, fix: str) -> Grammar:
+    from llmlocal.engine import Grammar
+
+    return Grammar.json_schema(read_json_schema_file(path, fix))
 
 
 def base_plan_from_args(args: argparse.Namespace) -> Plan:

@@ -1,8 +1,8 @@
 """`llmlocal chats list|show|rm|export|import`: the saved conversations of `llmlocal chat`.
 
 A JSON export holds everything needed to restore a chat as it was: every branch of its
-message tree, the branch shown, its system prompt and sampling parameters, its model and
-timestamps. Importing one adds new chats (with new ids) and changes nothing else; a file that
+message tree, the branch shown, its system prompt, sampling parameters and reply format
+(under ``sampling``), its model and timestamps. Importing one adds new chats (with new ids) and changes nothing else; a file that
 is not an export changes nothing at all. A Markdown export is for reading: the title, model
 and settings, then the turns of the branch shown.
 
@@ -165,8 +165,12 @@ def conversation_markdown(conv: Conversation) -> str:
     chat = conv.chat
     lines = [f"# {chat.display_title}", "", f"- Model: {chat.model or 'not recorded'}",
              f"- Created: {_utc(chat.created_at)}", f"- Updated: {_utc(chat.updated_at)}"]
-    if chat.sampling:
-        lines.append("- Sampling: " + ", ".join(f"{k} {_value(v)}" for k, v in chat.sampling.items()))
+    sampling = {k: v for k, v in chat.sampling.items() if k != "reply_format"}
+    if sampling:
+        lines.append("- Sampling: " + ", ".join(f"{k} {_value(v)}" for k, v in sampling.items()))
+    reply_format = chat.sampling.get("reply_format")
+    if isinstance(reply_format, dict):
+        lines.append(f"- Reply format: {_reply_format(reply_format)}")
     if chat.system_prompt:
         lines += ["", "## System prompt", "", chat.system_prompt]
     for m in conv.messages:
@@ -306,6 +310,20 @@ def _local_time(timestamp: float) -> str:
 
 def _utc(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(timestamp))
+
+
+def _reply_format(stored: dict[str, Any]) -> str:
+    """A chat's stored reply format (`llmlocal.app.tui.settings.ReplyFormat`), for reading."""
+    if stored.get("type") == "json":
+        return "JSON object"
+    if "file" in stored:
+        return f"JSON schema in {stored['file']}"
+    if isinstance(stored.get("schema"), str):
+        try:
+            return f"JSON schema `{json.dumps(json.loads(stored['schema']), ensure_ascii=False)}`"  # on one line
+        except json.JSONDecodeError:
+            return f"JSON schema {_value(stored['schema'])}"
+    return _value(stored)
 
 
 def _value(v: Any) -> str:

@@ -23,7 +23,14 @@ import json
 import sys
 from typing import Any
 
-from ..options import add_model_options, add_sampling_options, plan_from_args, sampling_from_args
+from ..options import (
+    add_format_options,
+    add_model_options,
+    add_sampling_options,
+    grammar_from_args,
+    plan_from_args,
+    sampling_from_args,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,12 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the user message; '-', or nothing with a pipe on stdin, reads it from stdin (UTF-8)")
     add_model_options(p)
     add_sampling_options(p)
-    g = p.add_argument_group("structured output (the reply is constrained token by token)").add_mutually_exclusive_group()
-    g.add_argument("--format", choices=["json"], default=None, help="json: the reply is a JSON object")
-    g.add_argument("--json-schema", default=None, metavar="FILE", help="the reply is JSON valid against the schema in FILE")
-    g.add_argument("--regex", default=None, metavar="RE", help="the whole reply matches the regular expression RE")
-    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
-                   help="the reply is one of these strings (repeat the option)")
+    add_format_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and stats")
     p.add_argument("--verbose", "-v", action="store_true", help="print stats to stderr after the reply")
     p.set_defaults(func=run)
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = _read_stdin()
     if not prompt.strip():
         raise LLMLocalError("The prompt is empty: pass the text to send, or '-' to read it from stdin.")
-    sampling = dataclasses.replace(sampling_from_args(args), grammar=_grammar(args))
+    sampling = dataclasses.replace(sampling_from_args(args), grammar=grammar_from_args(args))
     if sampling.grammar is not None:  # before the model loads: a typo should not cost a load
         from llmlocal.engine.grammar import check_grammar
 
@@ -111,29 +113,6 @@ def run(args: argparse.Namespace) -> int:
             if args.verbose:
                 _print_stats(done)
         return 130 if done.finish_reason == "cancelled" else 0
-
-
-def _grammar(args: argparse.Namespace) -> Any:
-    """The grammar the structured-output flags ask for, or None."""
-    from llmlocal.engine import Grammar
-    from llmlocal.models.errors import LLMLocalError
-
-    if args.format == "json":
-        return Grammar.json_object()
-    if args.regex is not None:
-        return Grammar.regex(args.regex)
-    if args.choice is not None:
-        return Grammar.choice(args.choice)
-    if args.json_schema is None:
-        return None
-    try:
-        with open(args.json_schema, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise LLMLocalError(f"Cannot read the JSON schema {args.json_schema} ({e.strerror}): check the --json-schema path.") from None
-    except UnicodeDecodeError:
-        raise LLMLocalError(f"The JSON schema {args.json_schema} is not UTF-8 text: pass a .json file.") from None
-    return Grammar.json_schema(text)
 
 
 def _result(done: Any, model: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from .help_screen import HelpScreen, Section, rows_of
 from .model_actions import ModelActions
 from .prompt_input import PromptInput
 from .reply_actions import ReplyActions, ReplyState
-from .settings import ChatSettings
+from .settings import ChatSettings, ReplyFormat
 from .settings_screen import ChatSettingsScreen
 from .thread_count import ThreadCount
 from .worker_messages import (
@@ -74,16 +74,18 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
         store: ChatStore | None = None,
         first_message: str | None = None,
         plan_for: Callable[[str], Plan] | None = None,
+        reply_format: ReplyFormat | None = None,
     ) -> None:
         """``plan`` loads the first model (unless ``engine`` is given); ``plan_for(name)`` is
         the plan of a model picked later (the CLI runs the planner there; by default, ``plan``
-        with the model replaced). Without ``store``, the chats are in the user's data dir."""
+        with the model replaced). Without ``store``, the chats are in the user's data dir.
+        ``system``, ``sampling`` and ``reply_format`` are the settings of new chats."""
         super().__init__()
         from llmlocal.engine import SamplingParams
 
         self.base_plan = plan
         self.plan_for = plan_for or (lambda name: plan.replace(model=name))
-        self.defaults = ChatSettings(system or None, sampling or SamplingParams())
+        self.defaults = ChatSettings(system or None, sampling or SamplingParams(), reply_format or ReplyFormat())
         self.engine: Engine | None = engine
         self.owned: list[Engine] = []  # engines this app loaded, and so closes
         self.retired: list[Engine] = []  # replaced engines, closed once no request uses them
@@ -192,6 +194,7 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
         await self.conversation.show(self.messages, self.branches)
         state = self.panel.state
         state.clear_reply()
+        state.reply_format = self.settings.reply_format.label
         last = next((m for m in reversed(self.messages) if m.role == "assistant" and m.stats), None)
         if last is not None and last.stats:
             state.take_stats(last.stats)
@@ -313,6 +316,8 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
                     sampling=settings.sampling_dict(),
                 )
             self.notify("Chat settings saved.")
+            self.panel.state.reply_format = settings.reply_format.label
+            self.panel.render_state()
             self.count_context()
 
         self.push_screen(ChatSettingsScreen(self.settings, title), done)

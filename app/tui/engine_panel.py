@@ -45,19 +45,22 @@ class PanelState:
     drafted_tokens: int | None = None
     accepted_tokens: int | None = None
     achieved_sparsity: float | None = None
+    reply_format: str | None = None  # the chat's constraint ("JSON", "JSON schema"); None: free text
 
     def clear_reply(self) -> None:
         """Forget the figures of the last reply (a chat without one is shown)."""
         blank = PanelState()
         for f in fields(self):
-            if f.name not in ("model", "backend", "device", "n_ctx", "activity", "loading", "context_tokens", "estimated"):
+            if f.name not in ("model", "backend", "device", "n_ctx", "activity", "loading", "context_tokens", "estimated",
+                              "reply_format"):
                 setattr(self, f.name, getattr(blank, f.name))
 
     def take_stats(self, stats: dict[str, Any]) -> None:
         """Figures of a finished reply (`Stats.to_dict()` plus the stored ``token_rates``)."""
         self.clear_reply()
         for f in fields(self):
-            if f.name in stats and f.name not in ("model", "backend", "device", "n_ctx", "activity", "loading", "estimated"):
+            if f.name in stats and f.name not in ("model", "backend", "device", "n_ctx", "activity", "loading", "estimated",
+                                                  "reply_format"):
                 setattr(self, f.name, stats[f.name])
         self.rates = list(stats.get("token_rates", []))
         if "prompt_tokens" in stats and "completion_tokens" in stats:
@@ -129,6 +132,9 @@ def head_text(s: PanelState) -> Text:
         text.append(f"\n{where}", style="dim")
     if s.n_ctx:
         text.append(f" · ctx {s.n_ctx}", style="dim")
+    if s.reply_format:
+        text.append("\nreplies: ", style="dim")
+        text.append(s.reply_format, style="bold")
     if s.activity:
         text.append(f"\n{s.activity}", style="italic")
     return text

@@ -80,6 +80,9 @@ def does_not_fit(prompt_tokens: int, n_ctx: int | None, reserve: int, allow_over
 def run_reply(engine: Engine, store: ChatStore, job: ReplyJob, post: Post) -> None:
     messages = job.messages()
     try:
+        # The chat's reply format, from its schema file as it is now: one that has gone or
+        # broken since it was chosen refuses the reply before anything is stored.
+        grammar = job.settings.reply_format.grammar()
         prompt_tokens = engine.count_tokens(messages)
     except LLMLocalError as e:
         post(ReplyFailed(job.request_id, str(e), job.user_text))
@@ -101,7 +104,7 @@ def run_reply(engine: Engine, store: ChatStore, job: ReplyJob, post: Post) -> No
     user = store.add_message(chat.id, job.parent_id, "user", job.user_text) if job.user_text is not None else None
     parent = user.id if user is not None else job.parent_id
     reply = store.add_message(chat.id, parent, "assistant", "", status="partial", model=job.model_name)
-    request = Request.chat(messages, settings.sampling, id=job.request_id)
+    request = Request.chat(messages, replace(settings.sampling, grammar=grammar), id=job.request_id)
     try:
         events = engine.generate(request)  # registers the request id: cancel() now reaches it
     except LLMLocalError as e:  # refused before the first token: the message was not answered

@@ -1,7 +1,8 @@
-"""The chat settings panel: the system prompt and sampling parameters of one chat.
+"""The chat settings panel: the system prompt, sampling parameters and reply format of one chat.
 
-Values are checked by building the `SamplingParams` they describe; an invalid one keeps the
-panel open with the reason shown. Ctrl+S saves, Esc leaves without saving.
+Values are checked by building the `SamplingParams` they describe, and a JSON schema by
+compiling it; an invalid one keeps the panel open with the reason shown (nothing is saved).
+Ctrl+S saves, Esc leaves without saving.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Static, TextArea
+from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
-from .settings import EDITABLE, ChatSettings
+from .settings import EDITABLE, FORMAT_NAMES, ChatSettings, ReplyFormat
 
 OPTIONAL = ("max_tokens", "seed")  # blank means None: no cap, a random seed
 INTEGERS = ("top_k", "max_tokens", "seed")
@@ -61,6 +62,18 @@ class ChatSettingsScreen(ModalScreen["ChatSettings | None"]):
                             classes="setting-input",
                         )
                         yield Label(HINTS[name], classes="setting-hint")
+                fmt = self.settings.reply_format
+                with Horizontal(classes="setting-row"):
+                    yield Label("reply format", classes="setting-name")
+                    yield Select(
+                        [(title, kind) for kind, title in FORMAT_NAMES.items()],
+                        value=fmt.kind,
+                        allow_blank=False,
+                        id="set-reply_format",
+                    )
+                    yield Label("every reply is constrained to it", classes="setting-hint")
+                yield Label("JSON schema: the path of a .json file, or the schema itself", id="schema-label")
+                yield TextArea(fmt.schema, id="reply-schema", soft_wrap=True)
             yield Static("", id="settings-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save (ctrl+s)", variant="primary", id="save")
@@ -68,6 +81,20 @@ class ChatSettingsScreen(ModalScreen["ChatSettings | None"]):
 
     def on_mount(self) -> None:
         self.query_one("#system-prompt", TextArea).focus()
+        self._show_schema()
+
+    @on(Select.Changed, "#set-reply_format")
+    def _show_schema(self) -> None:
+        shown = self.query_one("#set-reply_format", Select).value == "json_schema"
+        self.query_one("#schema-label").display = shown
+        self.query_one("#reply-schema").display = shown
+
+    def read_format(self) -> ReplyFormat:
+        """The reply format as chosen, its schema read and compiled (`LLMLocalError` if not)."""
+        kind = self.query_one("#set-reply_format", Select).value
+        fmt = ReplyFormat.typed(kind, self.query_one("#reply-schema", TextArea).text)  # type: ignore[arg-type]
+        fmt.grammar(fix="check the path")
+        return fmt
 
     def read(self) -> ChatSettings:
         """The settings as typed; raises `LLMLocalError` naming the field that is wrong."""
@@ -85,7 +112,7 @@ class ChatSettingsScreen(ModalScreen["ChatSettings | None"]):
                 raise LLMLocalError(f"{name} must be a number, not '{raw}'.") from None
         sampling = dataclasses.replace(self.settings.sampling, **values)  # validates
         system = self.query_one("#system-prompt", TextArea).text.strip() or None
-        return ChatSettings(system, sampling)
+        return ChatSettings(system, sampling, self.read_format())
 
     def action_save(self) -> None:
         try:
