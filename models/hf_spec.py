@@ -11,6 +11,7 @@ from typing import Any
 from .errors import ModelFormatError
 from .gguf_header import TensorInfo
 from .spec import ModelSpec, SpecialTokens
+from .tensor_names import text_config, text_tensor_name
 
 # safetensors dtype -> (ggml type id, bytes per element), for the memory arithmetic
 _DTYPES = {"F32": (0, 4), "F16": (1, 2), "BF16": (30, 2), "I8": (24, 1), "U8": (24, 1), "F64": (28, 8), "I32": (26, 4), "I64": (27, 8)}
@@ -42,13 +43,16 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
 def spec_from_hf(directory: str | Path) -> ModelSpec:
     directory = Path(directory)
-    cfg = _read_json(directory / "config.json")
+    cfg = text_config(_read_json(directory / "config.json"))  # a multimodal checkpoint: its language model
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelFormatError(f"{directory} has no .safetensors files: only safetensors checkpoints are supported.")
     tensors: list[TensorInfo] = []
     for f in files:
-        for name, info in safetensors_header(f).items():
+        for stored, info in safetensors_header(f).items():
+            name = text_tensor_name(stored)
+            if name is None:  # another tower's (vision): not what the language model reads
+                continue
             ggml_type, size = _DTYPES.get(info["dtype"], (0, 4))
             shape = tuple(reversed([int(d) for d in info["shape"]]))  # GGUF order: fastest first
             n = 1

@@ -83,8 +83,45 @@ HF_TO_GGUF_ARCH: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # a multimodal checkpoint: its language model (`text_config`)
     "phi3": "phi3",
 }
+# Multimodal checkpoints whose language model is one of the families (Gemma 3 4B and up): the
+# config nests the text model's keys under `text_config`, the weights sit under a prefix, and
+# the vision tower and its projector are not the language model (llama.cpp writes those to a
+# separate mmproj file).
+MULTIMODAL_TEXT: dict[str, str] = {"gemma3": "gemma3_text"}
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_config(raw: dict) -> dict:
+    """The language model's config.json: a multimodal checkpoint's `text_config` (its
+    model_type made the text model's), or ``raw`` itself."""
+    kind = raw.get("model_type")
+    inner = raw.get("text_config")
+    if kind not in MULTIMODAL_TEXT or not isinstance(inner, dict):
+        return raw
+    out = dict(inner)
+    out["model_type"] = MULTIMODAL_TEXT[kind]
+    if "tie_word_embeddings" in raw:
+        out.setdefault("tie_word_embeddings", raw["tie_word_embeddings"])
+    return out
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A checkpoint tensor's name in the text model's terms (``model.layers...``), or None for
+    another tower's tensor (vision, projector)."""
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model."):]
+    if name.startswith(_OTHER_TOWERS):
+        return None
+    return name
+
+
 # GGUF architectures the engine's own decoder runs
 ENGINE_ARCHS = frozenset(FAMILY_TENSORS)
 LLAMA_FAMILY = ENGINE_ARCHS  # the name older callers use

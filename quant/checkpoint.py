@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from gguf import Keys
 
-from llmlocal.models.tensor_names import hf_to_gguf_name
+from llmlocal.models.tensor_names import hf_to_gguf_name, text_config, text_tensor_name
 
 from .encode import decode
 from .errors import CheckpointError
@@ -117,6 +117,7 @@ def open_checkpoint(directory: Path, name: str | None = None) -> ModelSource:
         config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CheckpointError(f"{config_path} is not valid JSON: download it again.") from None
+    config = text_config(config)  # a multimodal checkpoint (Gemma 3 4B and up): its language model
     cfg = parse_config(config, str(directory))
     source = ModelSource(
         kind="checkpoint",
@@ -137,6 +138,7 @@ def open_checkpoint(directory: Path, name: str | None = None) -> ModelSource:
 
 def _fill(source: ModelSource, directory: Path, config: dict[str, Any], cfg: LlamaFamilyConfig) -> None:
     entries: dict[str, tuple[SafetensorsFile, TensorEntry]] = {}
+    skipped = 0
     for file_name, promised in _weight_files(directory).items():
         st = SafetensorsFile(directory / file_name)
         source.on_close(st.close)
@@ -147,7 +149,11 @@ def _fill(source: ModelSource, directory: Path, config: dict[str, Any], cfg: Lla
                     "incomplete; download it again."
                 )
         for tensor_name, entry in st.entries.items():
-            entries[tensor_name] = (st, entry)
+            text_name = text_tensor_name(tensor_name)
+            if text_name is None:  # a vision tower's or projector's: not the language model
+                skipped += 1
+                continue
+            entries[text_name] = (st, entry)
 
     expected = cfg.expected_shapes()
     for hf_name, (st, entry) in entries.items():
@@ -209,6 +215,11 @@ def _fill(source: ModelSource, directory: Path, config: dict[str, Any], cfg: Lla
         *tok.metadata,
     ]
     source.warnings = tok.warnings
+    if skipped:
+        source.warnings.append(
+            f"the checkpoint's vision tower and projector ({skipped} tensors) are left out: the output is its "
+            "language model, which reads text only"
+        )
     if cfg.model_type in ("mistral", "phi3") and cfg.sliding_window and cfg.sliding_window < cfg.context_length:
         # The key is written (as llama.cpp's converter does), but llama.cpp's llama and phi3
         # architectures attend to the whole context whatever it says.

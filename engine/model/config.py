@@ -29,7 +29,7 @@ from typing import Any
 
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import ModelFormatError
-from llmlocal.models.tensor_names import ENGINE_ARCHS, gguf_arch
+from llmlocal.models.tensor_names import ENGINE_ARCHS, gguf_arch, text_config
 
 
 class UnsupportedArchitectureError(ModelFormatError):
@@ -286,6 +286,7 @@ def config_from_hf(directory: str | Path, context: int | None = None) -> ModelCo
         raise ModelFormatError(f"{directory} has no config.json: pass a Hugging Face checkpoint directory.") from None
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{path} is not valid JSON ({e.msg}): restore the file from the checkpoint.") from None
+    raw = text_config(raw)  # a multimodal checkpoint (Gemma 3 4B and up): its language model
     model_type = str(raw.get("model_type", "unknown"))
     _check_arch(model_type, str(path))
     arch = gguf_arch(model_type)

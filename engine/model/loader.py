@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
-from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, gguf_to_hf_name, permute_qk
+from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, gguf_to_hf_name, permute_qk, text_tensor_name
 from llmlocal.native.sparse_int4.qlayout import FORMATS as QUANT_FORMATS
 from llmlocal.native.sparse_int4.qlayout import QuantCodes, decode
 
@@ -312,6 +312,10 @@ def load_hf(
         for f in files:
             with safe_open(str(f), framework="np") as sf:
                 weight_map.update({k: f.name for k in sf.keys()})
+    # the language model's tensors by their text-model names (a multimodal checkpoint stores
+    # them under a prefix, beside a vision tower the engine does not read)
+    stored_as = {text: name for name in weight_map if (text := text_tensor_name(name)) is not None}
+    weight_map = {text: weight_map[name] for text, name in stored_as.items()}
     handles: dict[str, object] = {}
     # Gemma's RMSNorms multiply by (1 + w): its checkpoints store w
     norm_shift = 1.0 if cfg.architecture == "gemma3" else 0.0
@@ -326,7 +330,7 @@ def load_hf(
         fname = weight_map[name]
         if fname not in handles:
             handles[fname] = safe_open(str(directory / fname), framework="pt")
-        return handles[fname].get_tensor(name).float().numpy()  # type: ignore[attr-defined]
+        return handles[fname].get_tensor(stored_as[name]).float().numpy()  # type: ignore[attr-defined]
 
     class Checkpoint(_Tensors):
         def has(self, name: str) -> bool:

@@ -39,6 +39,13 @@ def _configs() -> dict[str, object]:
         # Gemma 2's final-logit soft-capping, on Gemma 3's block: z -> 5 tanh(z / 5)
         "gemma3-softcap": t.Gemma3TextConfig(**SHAPE, num_hidden_layers=2, num_key_value_heads=1, head_dim=32,
                                              sliding_window=8, query_pre_attn_scalar=32, final_logit_softcapping=5.0),
+        # Gemma 3 4B and up ship as image-text checkpoints: the language model is read, the vision tower left
+        "gemma3-multimodal": t.Gemma3Config(
+            text_config=t.Gemma3TextConfig(**SHAPE, num_hidden_layers=6, num_key_value_heads=1, head_dim=32,
+                                           sliding_window=8, query_pre_attn_scalar=32),
+            vision_config=t.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=32, patch_size=8),
+            mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2),
         "phi3": t.Phi3Config(**SHAPE, num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0, sliding_window=12),
         "phi3-longrope": t.Phi3Config(**SHAPE, num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0,
                                       original_max_position_embeddings=32, rope_scaling={
@@ -57,7 +64,10 @@ def _checkpoint(name: str, directory: Path) -> torch.nn.Module:
     """A random model with weights large enough that every part moves the logits."""
     cfg = _configs()[name]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    if cfg.model_type == "gemma3":  # image-text
+        model = transformers.Gemma3ForConditionalGeneration._from_config(cfg, attn_implementation="eager").float().eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     gemma = cfg.model_type.startswith("gemma")
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -76,7 +86,7 @@ def _paged(directory: Path, positions: int = 256) -> ModelRunner:
     return ModelRunner(model, num_blocks=64, block_size=4, kv_dtype=torch.float32)
 
 
-FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3-softcap", "phi3", "phi3-longrope", "phi3-partial"]
+FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma3-softcap", "gemma3-multimodal", "phi3", "phi3-longrope", "phi3-partial"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

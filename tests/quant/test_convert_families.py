@@ -34,7 +34,10 @@ def _build(directory: Path, config: Any, seed: int = 0) -> Any:
     returns the model. Norm weights are perturbed so that their values (and Gemma's ``1 + w``)
     matter."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    if config.model_type == "gemma3":  # an image-text checkpoint (Gemma 3 4B and up)
+        model = transformers.Gemma3ForConditionalGeneration._from_config(config).float().eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -84,7 +87,7 @@ def _compare(tmp_path: Path, config: Any, n_ctx: int = 64, fp16_gelu: bool = Fal
     with torch.no_grad():
         plain = model(torch.tensor([SEQUENCE])).logits[0].numpy()
         if fp16_gelu:
-            for layer in model.model.layers:
+            for layer in getattr(model.model, "language_model", model.model).layers:
                 layer.mlp.act_fn = _Fp16TableGelu(layer.mlp.act_fn)
         expected = model(torch.tensor([SEQUENCE])).logits[0].numpy()
     out = tmp_path / "model-f32.gguf"
@@ -157,6 +160,20 @@ def _gemma3(**kw: Any) -> Any:
 
 def test_gemma3_matches_transformers(tmp_path: Path) -> None:
     _compare(tmp_path, _gemma3(), fp16_gelu=True)
+
+
+def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the language model under
+    `language_model.`, its config under `text_config`, beside a vision tower. The conversion
+    writes the language model (llama.cpp and the engine compute transformers' text logits) and
+    says the vision tower was left out."""
+    text = _gemma3()
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    result = _compare(tmp_path, config, fp16_gelu=True)
+    assert any("vision tower" in w for w in result.warnings), result.warnings
 
 
 def test_gemma3_norms_are_written_plus_one(tmp_path: Path) -> None:
