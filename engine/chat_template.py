@@ -34,21 +34,75 @@ CHATML_TEMPLATE = (
 )
 
 
+# The turn formats of other families, for a file that carries no template (a base model, a
+# conversion that lost it): plain conversations as the models' own templates render them
+# (tests/engine/test_chat_template_fixtures.py checks each against them); tools go into the
+# turns as text, as for any template that does not read them.
+GEMMA_TEMPLATE = (  # Gemma 2 and 3: the system text opens the first user turn
+    "{{- bos_token -}}{%- set ns = namespace(prefix='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{%- set ns.prefix = m['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{{- '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + ns.prefix"
+    " + m['content'] | trim + '<end_of_turn>\n' -}}{%- set ns.prefix = '' -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
+LLAMA3_TEMPLATE = (  # Llama 3.1 - 3.3: a system turn always, with the knowledge cutoff and today's date
+    "{{- bos_token -}}{%- set ns = namespace(system='') -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.system = messages[0]['content'] | trim -%}{%- endif -%}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: '"
+    " + strftime_now('%d %b %Y') + '\n\n' + ns.system + '<|eot_id|>' -}}"
+    "{%- for m in messages -%}{%- if not (loop.first and m['role'] == 'system') -%}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"
+)
+MISTRAL_TEMPLATE = (  # Mistral v0.3: [INST] turns, the system text in the last one
+    "{{- bos_token -}}{%- set ns = namespace(system=none) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{%- set ns.system = m['content'] -%}"
+    "{%- elif m['role'] == 'user' -%}"
+    "{{- '[INST] ' + (ns.system + '\n\n' if loop.last and ns.system is not none else '') + m['content'] + '[/INST]' -}}"
+    "{%- elif m['role'] == 'assistant' -%}{{- ' ' + m['content'] | trim + eos_token -}}"
+    "{%- endif -%}{%- endfor -%}"
+)
+PHI3_TEMPLATE = (  # Phi-3 and 3.5
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' and m['content'] -%}{{- '<|system|>\n' + m['content'] + '<|end|>\n' -}}"
+    "{%- elif m['role'] in ('user', 'assistant') -%}{{- '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- else -%}{{- eos_token -}}{%- endif -%}"
+)
+
 # Chat templates by name, for `--chat-template NAME` (a model without one falls back to ChatML).
-BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE}
+BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE, "gemma": GEMMA_TEMPLATE, "llama3": LLAMA3_TEMPLATE,
+                     "mistral": MISTRAL_TEMPLATE, "phi3": PHI3_TEMPLATE}
 
 
 class TemplateError(LLMLocalError):
     """The model's chat template could not render the conversation."""
 
 
-def template_source(choice: str | None, model_template: str | None) -> tuple[str, str]:
+# A vocabulary's turn markers -> the named template whose format they belong to (first match).
+_MARKERS = (("<start_of_turn>", "gemma"), ("<|start_header_id|>", "llama3"), ("<|im_start|>", "chatml"),
+            ("[INST]", "mistral"), ("<|assistant|>", "phi3"))
+
+
+def fallback_template(tokens: Sequence[str]) -> str:
+    """The named template for a model without one, by the turn markers in its vocabulary
+    (as llama.cpp guesses one); ChatML when none is there."""
+    vocab = set(tokens)
+    return next((name for marker, name in _MARKERS if marker in vocab), "chatml")
+
+
+def template_source(choice: str | None, model_template: str | None, fallback: str = "chatml") -> tuple[str, str]:
     """(Jinja source, where it came from) for ``--chat-template`` ``choice`` (a name of
-    `BUILTIN_TEMPLATES` or a file), else the model's own, else ChatML."""
+    `BUILTIN_TEMPLATES` or a file), else the model's own, else the named ``fallback``."""
     if choice is None:
         if model_template:
             return model_template, "the model's"
-        return CHATML_TEMPLATE, "chatml (the model carries no chat template; choose one with --chat-template)"
+        return BUILTIN_TEMPLATES[fallback], f"{fallback} (the model carries no chat template; choose one with --chat-template)"
     if choice in BUILTIN_TEMPLATES:
         return BUILTIN_TEMPLATES[choice], choice
     try:

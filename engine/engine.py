@@ -27,7 +27,7 @@ from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .backends.base import Backend
-from .chat_template import ChatTemplate, template_source
+from .chat_template import ChatTemplate, fallback_template, template_source
 from .grammar import check_grammar
 from .plan import DEFAULT_MAX_CTX, Plan
 from .types import Event, Message, Request
@@ -47,7 +47,9 @@ class Engine:
         self.model = model
         self.plan = plan
         spec = model.spec
-        source, self.template_origin = template_source(plan.chat_template, spec.chat_template)
+        # a model without a template: the format its vocabulary's turn markers belong to
+        self.fallback_template = "chatml" if spec.chat_template else fallback_template(spec.tokens)
+        source, self.template_origin = template_source(plan.chat_template, spec.chat_template, self.fallback_template)
         self.template = ChatTemplate(source, bos_token=spec.special.bos or "", eos_token=spec.special.eos or "")
         self._cancels: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
@@ -119,7 +121,10 @@ class Engine:
         """A sentence for the user when chats are rendered with a fallback template."""
         if self._server_side or self.plan.chat_template is not None or self.model.spec.chat_template:
             return None
-        return f"{self.model.name} carries no chat template, so chats are rendered as ChatML: choose another with --chat-template."
+        if self.fallback_template == "chatml":
+            return f"{self.model.name} carries no chat template, so chats are rendered as ChatML: choose another with --chat-template."
+        return (f"{self.model.name} carries no chat template, so chats are rendered in the {self.fallback_template} format "
+                "its special tokens belong to: choose another with --chat-template.")
     def render(self, messages: Sequence[Message | Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text the model sees for a conversation (generation prompt appended);
         ``tools`` (OpenAI's tool list) through the model's template, or described in the system

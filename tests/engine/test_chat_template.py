@@ -98,3 +98,15 @@ def test_chat_template_choice_file_name_and_fallback(tmp_path) -> None:
     assert template_source(str(tmp_path / "t.jinja"), "{{ x }}")[0] == "{{ messages[0]['content'] }}!"
     with pytest.raises(TemplateError, match="neither a template name"):
         template_source(str(tmp_path / "missing.jinja"), None)
+    assert template_source(None, None, "gemma")[1].startswith("gemma (the model carries no chat template")
+
+
+def test_a_model_without_a_template_gets_the_format_of_its_turn_markers() -> None:
+    from llmlocal.engine.chat_template import fallback_template
+
+    assert fallback_template(["<bos>", "<start_of_turn>", "<end_of_turn>", "a"]) == "gemma"
+    assert fallback_template(["<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>"]) == "llama3"
+    assert fallback_template(["<s>", "[INST]", "[/INST]"]) == "mistral"
+    assert fallback_template(["<s>", "<|user|>", "<|assistant|>", "<|end|>"]) == "phi3"
+    assert fallback_template(["<|im_start|>", "<|im_end|>"]) == "chatml"
+    assert fallback_template(["a", "b"]) == "chatml"

@@ -255,3 +255,24 @@ def test_tools_and_documents_are_defined_as_in_transformers() -> None:
         (theirs,), _ = render_jinja_template([[{"role": "user", "content": TRICKY}]], tools=tools, chat_template=source,
                                              add_generation_prompt=True, bos_token="", eos_token="")
         assert ours == theirs
+
+
+# The built-in named templates (`--chat-template NAME`) against the models' own, on plain conversations.
+NAMED = {"gemma": "gemma-3-it", "llama3": "llama-3.2-instruct", "mistral": "mistral-7b-instruct-v0.3",
+         "phi3": "phi-3.5-mini-instruct"}
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False], ids=["gen", "nogen"])
+@pytest.mark.parametrize("conversation", list(PLAIN_CONVERSATIONS))
+@pytest.mark.parametrize("name", list(NAMED))
+def test_named_templates_render_plain_conversations_as_the_models_own(
+    name: str, conversation: str, add_generation_prompt: bool
+) -> None:
+    from llmlocal.engine.chat_template import BUILTIN_TEMPLATES
+
+    model = NAMED[name]
+    bos, eos, _ = MODELS[model]
+    messages = PLAIN_CONVERSATIONS[conversation]
+    ours = ChatTemplate(BUILTIN_TEMPLATES[name], bos_token=bos or "", eos_token=eos or "")
+    assert ours.render(messages, add_generation_prompt=add_generation_prompt) == _hf_render(
+        model, messages, add_generation_prompt, None)
