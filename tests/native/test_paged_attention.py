@@ -3,7 +3,7 @@ kernels (CPU interpreter, see conftest.py) against the reference, and the dispat
 
 Every cache is filled with NaN before the live tokens are written, and block-table padding
 points at NaN blocks or out of range: a kernel that reads one position it should not read
-returns NaN. The sliding-window cases also poison every position before each window.
+returns NaN (the cases: paged_cases.py; the sliding-window cases: test_paged_attention_window.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import importlib.util
 import math
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
@@ -21,127 +19,16 @@ from torch import Tensor
 
 import llmlocal.native.paged_attention as pa
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-
-# Outputs are rounded once to the output dtype: tolerances of a few units in the last place;
-# fp32 allows for a different summation order over up to a thousand terms.
-TOL = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=3e-3, rtol=3e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
-# Starter model (SmolLM2-135M): 9 query heads, 3 kv heads, head_dim 64.
-STARTER = (9, 3, 64)
-
-
-@dataclass
-class PagedCase:
-    q: Tensor  # (B, H, D)
-    k_cache: Tensor  # (num_blocks, block_size, n_kv, D)
-    v_cache: Tensor
-    block_tables: Tensor  # (B, max_blocks) int32
-    context_lens: Tensor  # (B,) int32
-    keys: list[Tensor]  # per sequence (L_b, n_kv, D), the dense truth
-    values: list[Tensor]
-    scale: float
-
-
-def make_case(
-    lens: list[int],
-    block_size: int,
-    n_heads: int,
-    n_kv: int,
-    head_dim: int,
-    dtype: torch.dtype = torch.float32,
-    padding: str = "nan_block",
-    seed: int = 0,
-) -> PagedCase:
-    """Sequences of the given lengths scattered over shuffled cache blocks; unused blocks and
-    the unused tail of each last block hold NaN. Table padding: "nan_block" (a NaN-filled
-    block), "minus_one", or "out_of_range" (a block id past the cache)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / block_size) for n in lens]
-    spare = 3
-    num_blocks = sum(blocks_per_seq) + spare
-    max_blocks = max(blocks_per_seq) + 2  # every row has padding entries
-    k_cache = torch.full((num_blocks, block_size, n_kv, head_dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-
-    order = torch.randperm(num_blocks, generator=gen)
-    pad_id = {"nan_block": int(order[-1]), "minus_one": -1, "out_of_range": num_blocks + 1000}[padding]
-    block_tables = torch.full((len(lens), max_blocks), pad_id, dtype=torch.int32)
-    keys, values = [], []
-    next_block = 0
-    for b, n in enumerate(lens):
-        ids = order[next_block : next_block + blocks_per_seq[b]]
-        next_block += blocks_per_seq[b]
-        block_tables[b, : len(ids)] = ids.to(torch.int32)
-        k = torch.randn(n, n_kv, head_dim, generator=gen).to(dtype)  # (L, n_kv, D)
-        v = torch.randn(n, n_kv, head_dim, generator=gen).to(dtype)
-        pos = torch.arange(n)
-        k_cache[ids[pos // block_size], pos % block_size] = k
-        v_cache[ids[pos // block_size], pos % block_size] = v
-        keys.append(k)
-        values.append(v)
-    q = torch.randn(len(lens), n_heads, head_dim, generator=gen).to(dtype)
-    context_lens = torch.tensor(lens, dtype=torch.int32)
-    return PagedCase(q, k_cache, v_cache, block_tables, context_lens, keys, values, head_dim**-0.5)
-
-
-def dense_attention(case: PagedCase, window: int = 0) -> Tensor:
-    """Per-sequence attention over contiguous K/V in float64 with an explicit softmax; with a
-    window, over the last ``window`` positions only."""
-    n_heads = case.q.shape[1]
-    outs = []
-    for b, (k, v) in enumerate(zip(case.keys, case.values)):
-        if window > 0:
-            k, v = k[-window:], v[-window:]  # positions max(0, L - window) .. L - 1
-        group = n_heads // k.shape[1]
-        k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
-        v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
-        q = case.q[b].double()[:, None, :]  # (H, 1, D)
-        probs = torch.softmax(case.scale * q @ k.transpose(1, 2), dim=-1)  # (H, 1, L)
-        outs.append((probs @ v)[:, 0])  # (H, D)
-    return torch.stack(outs).to(case.q.dtype)  # (B, H, D)
-
-
-def run_reference(case: PagedCase, max_context_len: int | None = None, **overrides: Any) -> Tensor:
-    return pa.paged_decode_attention_reference(
-        case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale, max_context_len,
-        **overrides,
-    )  # fmt: skip
-
-
-def run_triton(case: PagedCase, max_context_len: int | None = None, **overrides: Any) -> Tensor:
-    return pa.paged_decode_attention_triton(
-        case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale,
-        max_context_len, **overrides,
-    )  # fmt: skip
-
-
-def edge_lens(block_size: int, long: int) -> list[int]:
-    return [1, block_size - 1, block_size, block_size + 1, long]
-
-
-def poison_before_window(case: PagedCase, window: int) -> None:
-    """Fill the cache with NaN at every position before each sequence's window, and point the
-    table entries of the blocks wholly before it out of range: a kernel that reads such a
-    position returns NaN, one that follows such an entry reads out of bounds."""
-    num_blocks, block_size = case.k_cache.shape[:2]
-    for b, n in enumerate(case.context_lens.tolist()):
-        lo = max(0, n - window)
-        pos = torch.arange(lo)
-        ids = case.block_tables[b, pos // block_size].long()
-        case.k_cache[ids, pos % block_size] = float("nan")
-        case.v_cache[ids, pos % block_size] = float("nan")
-        case.block_tables[b, : lo // block_size] = num_blocks + 1000
-
-
-def assert_close(out: Tensor, expected: Tensor) -> None:
-    assert out.dtype == expected.dtype and out.shape == expected.shape
-    assert not out.isnan().any(), "a masked or padding position was read"
-    torch.testing.assert_close(out, expected, **TOL[out.dtype])
-
+from paged_cases import (
+    STARTER,
+    assert_close,
+    dense_attention,
+    edge_lens,
+    make_case,
+    needs_triton,
+    run_reference,
+    run_triton,
+)
 
 # ---------------------------------------------------------------- reference vs dense attention
 
@@ -201,47 +88,6 @@ def test_reference_mixed_q_and_cache_dtypes() -> None:
     case = make_case([9, 30], 8, 8, 2, 32, dtype=torch.bfloat16)
     case.q = case.q.float()
     assert_close(run_reference(case), dense_attention(case))
-
-
-# Windows: a single token, smaller than a block, spanning several blocks, past every context.
-WINDOWS = [1, 5, 21, 2000]
-
-
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("block_size", [8, 16])
-@pytest.mark.parametrize(
-    "heads,dtype",
-    [(STARTER, torch.float32), ((8, 2, 64), torch.float16), ((4, 4, 32), torch.bfloat16)],
-    ids=lambda p: str(p).replace("torch.", "") if not isinstance(p, tuple) else "x".join(map(str, p)),
-)
-def test_reference_window_matches_dense(
-    window: int, block_size: int, heads: tuple[int, int, int], dtype: torch.dtype
-) -> None:
-    case = make_case(edge_lens(block_size, 1000) + [37], block_size, *heads, dtype=dtype, seed=20 + block_size)
-    expected = dense_attention(case, window)
-    poison_before_window(case, window)
-    assert_close(run_reference(case, window=window), expected)
-    assert_close(run_reference(case, max_context_len=1000, window=window), expected)
-
-
-@pytest.mark.parametrize("budget_blocks", [1, 2, 6, 10])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_reference_window_in_small_steps(budget_blocks: int, dtype: torch.dtype) -> None:
-    # A window of 50 with 16-token blocks spans at most 5 blocks: budgets of 1 and 2 blocks
-    # split one sequence's window into steps, 6 and 10 take one and two whole windows a step.
-    block_size, (n_heads, n_kv, head_dim), window = 16, STARTER, 50
-    block_bytes = block_size * n_kv * head_dim * 4
-    case = make_case([300, 1, 17, 160, 33, 58], block_size, n_heads, n_kv, head_dim, dtype=dtype, seed=21)
-    expected = dense_attention(case, window)
-    poison_before_window(case, window)
-    out = run_reference(case, window=window, step_bytes=budget_blocks * block_bytes)
-    assert_close(out, expected)
-
-
-def test_reference_rejects_a_negative_window() -> None:
-    case = make_case([5], 8, 4, 2, 16)
-    with pytest.raises(ValueError, match="window"):
-        run_reference(case, window=-1)
 
 
 # ---------------------------------------------------------------- Triton decode vs reference
@@ -328,67 +174,6 @@ def test_triton_decode_strided_q() -> None:
     case.q = qkv[:, :9]
     assert not case.q.is_contiguous()
     assert_close(run_triton(case, max_context_len=20), run_reference(case))
-
-
-@needs_triton
-@pytest.mark.parametrize("window", [1, 3, 21, 500])
-@pytest.mark.parametrize(
-    "block_size,heads,dtype",
-    [
-        (8, (4, 4, 32), torch.float32),  # GQA ratio 1
-        (16, STARTER, torch.float32),  # ratio 3
-        (16, STARTER, torch.float16),
-        (16, (8, 2, 16), torch.float16),  # ratio 4
-    ],
-    ids=lambda p: str(p).replace("torch.", "") if not isinstance(p, tuple) else "x".join(map(str, p)),
-)
-def test_triton_decode_window_matches_dense(
-    window: int, block_size: int, heads: tuple[int, int, int], dtype: torch.dtype
-) -> None:
-    case = make_case(edge_lens(block_size, 3 * block_size + 5) + [2 * block_size + 11], block_size, *heads,
-                     dtype=dtype, seed=22)  # fmt: skip
-    expected = dense_attention(case, window)
-    poison_before_window(case, window)
-    out = run_triton(case, max_context_len=int(case.context_lens.max()), window=window, num_splits=1)
-    assert_close(out, expected)
-    assert_close(run_reference(case, window=window), expected)
-
-
-@needs_triton
-@pytest.mark.parametrize("window", [10, 100])
-@pytest.mark.parametrize("num_splits", [2, 3])
-@pytest.mark.parametrize("use_dot", [False, True])
-def test_triton_decode_window_context_splits(window: int, num_splits: int, use_dot: bool) -> None:
-    # 16-token tiles in 32-token blocks: for the sequences of 64 and 120 tokens (and 150 with
-    # the window of 100) the window starts in the second tile of its first block, and the
-    # walk starts there. Splits divide the walked part; the 7-token sequence fills one split.
-    case = make_case([150, 7, 64, 120], 32, *STARTER, seed=23)
-    expected = dense_attention(case, window)
-    poison_before_window(case, window)
-    out = run_triton(case, max_context_len=150, window=window, num_splits=num_splits, use_dot=use_dot, tile_n=16)
-    assert_close(out, expected)
-
-
-@needs_triton
-def test_triton_decode_window_tiles_span_blocks_and_splits_by_default() -> None:
-    from llmlocal.native.paged_attention.triton_decode import plan_splits
-
-    # 64-token tiles over 8-token blocks: the walk starts at the window's first block.
-    for window in (3, 20):
-        case = make_case([11, 16, 5, 70, 61], 8, 8, 2, 32, padding="minus_one", seed=24)
-        expected = dense_attention(case, window)
-        poison_before_window(case, window)
-        assert_close(run_triton(case, max_context_len=70, window=window, tile_n=64), expected)
-        # No hint: the table width bounds the context.
-        assert_close(run_triton(case, window=window, num_splits=2, tile_n=16), expected)
-
-    # The launcher sizes its splits to the window, not the context: 700 tokens would get 3
-    # splits, a window of 300 in 32-token blocks walks at most 331 tokens and gets 2.
-    assert plan_splits(min(700, 300 + 32 - 1), 2, num_sms=16, tile_n=64).num_splits == 2
-    case = make_case([700, 3, 333], 32, 8, 1, 32, dtype=torch.float16, seed=25)
-    expected = dense_attention(case, 300)
-    poison_before_window(case, 300)
-    assert_close(run_triton(case, max_context_len=700, window=300, tile_n=64), expected)
 
 
 @needs_triton
@@ -526,20 +311,6 @@ def test_dispatch_uses_the_reference_on_cpu_without_the_interpreter(monkeypatch:
     out = pa.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
                                     case.scale)  # fmt: skip
     assert torch.equal(out, run_reference(case))
-
-
-@pytest.mark.parametrize("interpret", [True, False])
-def test_dispatch_passes_the_window(interpret: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if interpret and importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if not interpret:
-        monkeypatch.delenv("TRITON_INTERPRET")
-    case = make_case([10, 3, 27], 8, 4, 2, 16, seed=12)
-    expected = dense_attention(case, 6)
-    poison_before_window(case, 6)
-    out = pa.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
-                                    case.scale, 27, window=6)  # fmt: skip
-    assert_close(out, expected)
 
 
 @pytest.mark.cuda
