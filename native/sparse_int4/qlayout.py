@@ -35,8 +35,9 @@ so the sparse kernels skip the runs of zeroed inputs:
 Interleaved (dense decoding): the four columns 4i .. 4i + 3 of a chunk are stored together, in
 4 cb bytes already in the order that interleave produces: byte c of column t's chunk at 4 c + t
 (8-bit: row r's four codes at 4 r .. 4 r + 3); and the quads of a group are tiled by chunk,
-tile (group g, chunk c) = the group's quads in order, tiles in the order (g, c). The kernel
-then loads instead of shuffling (measured 1.5-2x fewer instructions per weight) and reads one
+tile (chunk c, group g) = the group's quads in order, tiles in the order (c, g): the codes of
+32 rows over every input are one run. The kernel then loads instead of shuffling (measured
+1.5-2x fewer instructions per weight), sums a row over all of K in registers, and reads one
 sequential stream per thread; a column can no longer be skipped alone, so thresholds only
 zero values there.
 """
@@ -248,7 +249,7 @@ class PackedQuant:
 
     @property
     def npad(self) -> int:
-        return self.d.shape[1]
+        return -(-self.n // CHUNK_ROWS) * CHUNK_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -297,9 +298,9 @@ def _pack_codes(c: QuantCodes, f: QFormat, npad: int, interleaved: bool, codes: 
             quads = q.reshape(nq, 4, nch, 32).transpose(0, 2, 3, 1)  # (quad, chunk, row, column)
         else:  # byte c of column t's chunk at 4 c + t
             quads = _chunks(q, f.bits).reshape(nq, 4, nch, -1).transpose(0, 2, 3, 1)  # (quad, chunk, byte, column)
-        qpg = f.group // 4  # tiles (group, chunk) of the group's quads
-        tiles = quads.reshape(nq // qpg, qpg, nch, -1).transpose(0, 2, 1, 3)
-        codes[j0:j1] = np.ascontiguousarray(tiles).reshape(j1 - j0, -1)
+        qpg, qb = f.group // 4, 16 * f.bits  # tiles (chunk, group) of the group's quads
+        tiles = codes.reshape(nch, k // f.group, qpg * qb)
+        tiles[:, j0 // f.group : j1 // f.group] = quads.reshape(nq // qpg, qpg, nch, qb).transpose(2, 0, 1, 3).reshape(nch, nq // qpg, -1)
 
 
 def pack(c: QuantCodes, interleaved: bool = False, native: bool = True) -> PackedQuant:
@@ -319,11 +320,17 @@ def pack(c: QuantCodes, interleaved: bool = False, native: bool = True) -> Packe
         _pack_codes(c, f, npad, interleaved, codes)
 
     def cols(a: np.ndarray | None, dtype: type) -> np.ndarray | None:
+        """(N, F) factors -> (F, npad), or interleaved (npad / 32, F, 32): a chunk's run."""
         if a is None:
             return None
         out = _aligned_empty((a.shape[1], npad), np.dtype(dtype), 64)
         out[...] = 0
-        out[:, :n] = a.T
+        if not interleaved:
+            out[:, :n] = a.T
+            return out
+        rows = np.zeros((npad, a.shape[1]), dtype=dtype)
+        rows[:n] = a
+        out.reshape(-1)[:] = rows.reshape(npad // 32, 32, -1).transpose(0, 2, 1).reshape(-1)
         return out
 
     sc, mn = c.sc, c.mn

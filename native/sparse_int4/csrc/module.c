@@ -137,7 +137,8 @@ static void sum_pieces(const job_t *j) {
 static void plan_job(job_t *j, int parts) {
     const int units = (j->m->npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
     const int G = j->n_groups;
-    j->by_groups = parts > 1 && parts <= MAX_GROUP_PIECES && parts <= G &&
+    /* the interleaved layout sums a row over all of K at once: always by rows */
+    j->by_groups = parts > 1 && parts <= MAX_GROUP_PIECES && parts <= G && !(j->qm && j->qm->interleaved) &&
                    (g_split_mode == 1 || (g_split_mode == 2 && G >= 32 * parts));
     if (j->by_groups) {
         j->n_pieces = parts;

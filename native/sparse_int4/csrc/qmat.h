@@ -121,6 +121,19 @@ qm_dequant_fn qm_dequant_for(int isa);
  * value). */
 int qm_code(const qm_matrix *m, int j, int n);
 
+/* The interleaved layout's tile (chunk c of 32 rows, group g): the group's quads of those rows.
+ * Tiles are in the order (chunk, group): a chunk's codes over every group are one run. */
+static inline const uint8_t *qm_tile(const qm_matrix *m, int c, int g) {
+    return m->codes + ((size_t)c * (size_t)(m->k / m->group) + (size_t)g) * (size_t)(m->group / 4) * (size_t)(16 * m->bits);
+}
+
+/* Where row n's factor of group (or super-block) f lives in d, m, sc or mn, arrays of nf
+ * factors a row: (nf, npad) in the column layout; in the interleaved one (npad / 32, nf, 32),
+ * so that a chunk's factors over all of K are one run, as its codes are. */
+static inline size_t qm_fat(const qm_matrix *m, size_t f, size_t nf, int n) {
+    return m->interleaved ? ((size_t)(n / 32) * nf + f) * 32 + (size_t)(n % 32) : f * (size_t)m->npad + (size_t)n;
+}
+
 /* fp16 bits -> float, portable. */
 static inline float qm_f16(uint16_t h) {
     const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023;
@@ -136,11 +149,12 @@ static inline float qm_f16(uint16_t h) {
 
 /* The factors of row n in group g: w = D * q + M (the kernels compute them in this order). */
 static inline void qm_factors(const qm_matrix *m, int g, int n, float *D, float *M) {
-    const size_t dg = (size_t)g * m->group / m->dgroup, at = (size_t)g * m->npad + n;
-    float d = qm_f16(m->d[dg * m->npad + n]);
+    const size_t dg = (size_t)g * m->group / m->dgroup, nd = (size_t)(m->k / m->dgroup);
+    const size_t at = qm_fat(m, (size_t)g, (size_t)(m->k / m->group), n), dat = qm_fat(m, dg, nd, n);
+    float d = qm_f16(m->d[dat]);
     int sc = 0, mn = 0;
     if (m->mn) { /* 6-bit scale and min of sub-block g % 8 */
-        const uint32_t hi = m->mn[dg * m->npad + n] >> (4 * (g % 8));
+        const uint32_t hi = m->mn[dat] >> (4 * (g % 8));
         sc = (m->sc[at] & 15) | (int)(hi & 3) << 4;
         mn = (m->sc[at] >> 4) | (int)((hi >> 2) & 3) << 4;
     } else if (m->sc) {
@@ -148,8 +162,8 @@ static inline void qm_factors(const qm_matrix *m, int g, int n, float *D, float 
     }
     if (m->sc) d *= (float)sc;
     *D = d;
-    if (m->mn) *M = -(qm_f16(m->m[dg * m->npad + n]) * (float)mn);
-    else if (m->m) *M = qm_f16(m->m[dg * m->npad + n]);
+    if (m->mn) *M = -(qm_f16(m->m[dat]) * (float)mn);
+    else if (m->m) *M = qm_f16(m->m[dat]);
     else *M = (float)-m->off * d;
 }
 

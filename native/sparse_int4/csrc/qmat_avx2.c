@@ -113,18 +113,19 @@ AI void load_quad_il(const uint8_t *p, const int BITS, __m256i W[4]) {
 
 /* D and M (w = D q + M) of rows n .. n + 7 in group g. */
 AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
-    const size_t dg = (size_t)g * m->group / m->dgroup, at = (size_t)g * m->npad + n;
-    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + dg * m->npad + n)));
+    const size_t dg = (size_t)g * m->group / m->dgroup, nd = (size_t)(m->k / m->dgroup);
+    const size_t at = qm_fat(m, (size_t)g, (size_t)(m->k / m->group), n), dat = qm_fat(m, dg, nd, n);
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + dat)));
     if (m->mn) { /* Q4_K / Q5_K: 6-bit scale and min of sub-block g % 8 from 4 + 2 bits */
         const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m->sc + at)));
-        const __m256i hi = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + dg * m->npad + n)), 4 * (g % 8));
+        const __m256i hi = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + dat)), 4 * (g % 8));
         const __m256i three = _mm256_set1_epi32(3), fifteen = _mm256_set1_epi32(15);
         const __m256i sc = _mm256_or_si256(_mm256_and_si256(lo, fifteen), _mm256_slli_epi32(_mm256_and_si256(hi, three), 4));
         const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4),
                                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2), three), 4));
         d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
         *D = d;
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dg * m->npad + n)));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dat)));
         *M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
         return;
     }
@@ -133,7 +134,7 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
         d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(m->sc_signed ? _mm256_cvtepi8_epi32(s) : _mm256_cvtepu8_epi32(s)));
     }
     *D = d;
-    if (m->m) *M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dg * m->npad + n)));
+    if (m->m) *M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dat)));
     else *M = _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
 }
 
@@ -163,7 +164,7 @@ AI void group_sums(const qm_matrix *m, const qm_acts *a, int g, int row, int b0,
     for (int b = 0; b < BB; b++)
         for (int v = 0; v < 4; v++) acc[b][v] = _mm256_setzero_si256();
     const int pf = prefetch ? si4_prefetch_ahead * BITS / 4 * (IL ? 4 : 1) : 0;
-    const size_t tile = ((size_t)g * (m->npad / 32) + row / 32) * (m->group / 4); /* in quads */
+    const uint8_t *tile = qm_tile(m, row / 32, g);
     for (int i0 = s0; i0 < s1; i0 += 4 * QUADS_PER_I16(BITS)) {
         const int i1 = i0 + 4 * QUADS_PER_I16(BITS) < s1 ? i0 + 4 * QUADS_PER_I16(BITS) : s1;
         __m256i acc16[PASS][4];
@@ -171,8 +172,8 @@ AI void group_sums(const qm_matrix *m, const qm_acts *a, int g, int row, int b0,
             for (int v = 0; v < 4; v++) acc16[b][v] = _mm256_setzero_si256();
         for (int i = i0; i < i1; i += 4) {
             __m256i W[4];
-            if (IL) { /* tiles (group, chunk) of the group's quads: one stream in this loop's order */
-                const uint8_t *p = m->codes + (tile + (size_t)(i - s0) / 4) * (16 * BITS);
+            if (IL) { /* the tile (chunk, group) of the group's quads */
+                const uint8_t *p = tile + (size_t)(i - s0) / 4 * (16 * BITS);
                 if (pf) __builtin_prefetch(p + pf, 0, 3);
                 load_quad_il(p, BITS, W);
             } else {
@@ -251,117 +252,188 @@ AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, i
     free(dm);
 }
 
-/* ---------------------------------------------------------------- quads of columns, few rows of x
+/* ---------------------------------------------------------------- quads of columns (interleaved)
  *
- * The interleaved layout with up to SI4_MAX_BATCH rows of x (decode steps, verification of
- * drafted tokens, batches): groups outer (the tiles' order in memory, one stream), chunks of 32
- * rows inner, each chunk in two halves of 16 rows. A half's codes are one 32-byte load per quad
- * (plus the high-bit plane), unpacked once and multiplied with NB rows of x at a time, so that
- * the sums of NB rows stay in registers; the factors of a half are computed once for every row
- * of x. Per row of x the float operations are those of `flush`, in the same order at every
- * batch size: a row's result does not depend on the rows decoded beside it. */
+ * Dense decoding, verification of drafted tokens, batches and prefill. Tiles are in the order
+ * (chunk, group): the codes of 32 rows over all of K are one run. A chunk is taken in two
+ * halves of 16 rows; per half and pass of up to NB rows of x, the groups' int16 / int32 sums
+ * are made as the quads come (a half's codes unpacked once for all the pass's rows), and each
+ * row's float sums stay in registers across all of K: y is written once per half.
+ *
+ * Each factor is applied where it costs least:
+ *   Q4_K / Q5_K: the sub-block's 6-bit scale weights the int16 -> int32 widening (vpmaddwd by
+ *     the scale instead of by 1); per group one float multiply-add by its dx, and the
+ *     super-block's d and dmin once per 256 inputs:
+ *         y += d sum_g dx_g (sc_g S_g)  -  dmin sum_g mn_g xs_g
+ *   Q6_K: the int8 scale of each 16 inputs the same way, the two groups of a block of 32
+ *     summed in int32 before their dx:   y += d (sum_b dx_b P_b  -  32 sum_g sc_g xs_g)
+ *   the others (a factor per group of 32): y += D dx S + M xs per group (`flush`).
+ * Per row of x these are the same float operations in the same order at every batch size and
+ * pass width: a row's result does not depend on the rows computed beside it. */
 
-/* Rows of x per pass over a half: the int16 and int32 sums of NB rows, two code vectors and the
- * broadcast activations fit the 16 registers (4-bit and 8-bit codes need no int16 stage that
- * outlives a quad block; 5 and 6 bits sum int16 over 4 and 2 quads before widening). */
-#define NB_FOR(BITS) ((BITS) == 4 || (BITS) == 8 ? 4 : 2)
+enum { KIND_PLAIN, KIND_KQ, KIND_Q6 };
 
-/* acc[b][t] element e = sum over the group's nq quads (at p, quad stride qbytes) of
- * q(row 16 h + 8 t + e) * qx, for the BB rows of x at qx[b * qs]. */
-AI void half_sums(const uint8_t *p, size_t qbytes, int nq, const int8_t *qx, size_t qs, const int h, const int BB,
-                  const int BITS, int pf, __m256i acc[4][2]) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
-    for (int i0 = 0; i0 < nq; i0 += QUADS_PER_I16(BITS)) {
-        const int i1 = i0 + QUADS_PER_I16(BITS) < nq ? i0 + QUADS_PER_I16(BITS) : nq;
-        __m256i s16[4][2];
-        for (int b = 0; b < BB; b++) s16[b][0] = s16[b][1] = _mm256_setzero_si256();
-        for (int i = i0; i < i1; i++) {
-            const uint8_t *q = p + (size_t)i * qbytes;
-            if (pf) __builtin_prefetch(q + pf, 0, 3);
-            __m256i W[2];
-            load_half_il(q, h, BITS, W);
-            for (int b = 0; b < BB; b++) {
-                int32_t q4;
-                memcpy(&q4, qx + (size_t)b * qs + 4 * i, 4);
-                mac_quad(W, 2, _mm256_set1_epi32(q4), BITS, s16[b]);
-            }
-        }
-        for (int b = 0; b < BB; b++)
-            for (int t = 0; t < 2; t++) acc[b][t] = _mm256_add_epi32(acc[b][t], _mm256_madd_epi16(s16[b][t], ones));
+/* factors8 of the types with one factor per group of 32 and no sub-block scales (the same
+ * numbers, without the general case's divisions). */
+AI void factors8_plain(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
+    const size_t at = qm_fat(m, (size_t)g, (size_t)(m->k / 32), n);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + at)));
+    *D = d;
+    *M = m->m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + at))) : _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
+}
+#define NB_MAX 4 /* rows of x per pass over a half */
+
+/* The widening weights of rows n .. n + 7 in group g: each row's sub-block scale as an int16
+ * pair (sc, sc) per int32 element (Q4_K / Q5_K: 6 bits from 4 + 2; Q6_K: int8). */
+AI __m256i sub_scales(const qm_matrix *m, int g, int n, const int KIND) {
+    const int group = KIND == KIND_KQ ? 32 : 16;
+    const __m128i b8 = _mm_loadl_epi64((const __m128i *)(m->sc + qm_fat(m, (size_t)g, (size_t)(m->k / group), n)));
+    if (KIND == KIND_KQ) {
+        const __m256i lo = _mm256_cvtepu8_epi32(b8);
+        const __m256i hi = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + qm_fat(m, (size_t)(g / 8), (size_t)(m->k / 256), n))),
+                                            _mm_cvtsi32_si128(4 * (g % 8)));
+        const __m256i sc = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
+                                           _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+        return _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
     }
+    const __m256i sc = _mm256_cvtepi8_epi32(b8);
+    return _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sc, 16));
 }
 
-/* One pass of BB rows of x (from b0) over half h of a chunk: sums, then flush into y. */
-AI void half_pass(const uint8_t *p, size_t qbytes, int nq, const int8_t *qx, size_t qs, const int h, const int BB,
-                  const int BITS, int pf, const __m256 D[2], const __m256 M[2], const float *dxg, const float *xsg,
-                  float *y, size_t ys) {
-    __m256i acc[4][2];
-    half_sums(p, qbytes, nq, qx, qs, h, BB, BITS, pf, acc);
+/* What multiplies xs_g for rows n .. n + 7: Q4_K / Q5_K the sub-block's 6-bit min, Q6_K its scale. */
+AI __m256 sub_mins(const qm_matrix *m, int g, int n, const int KIND) {
+    const int group = KIND == KIND_KQ ? 32 : 16;
+    const __m128i b8 = _mm_loadl_epi64((const __m128i *)(m->sc + qm_fat(m, (size_t)g, (size_t)(m->k / group), n)));
+    if (KIND == KIND_KQ) {
+        const __m256i hi = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + qm_fat(m, (size_t)(g / 8), (size_t)(m->k / 256), n))),
+                                            _mm_cvtsi32_si128(4 * (g % 8) + 2));
+        const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(b8), 4),
+                                           _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+        return _mm256_cvtepi32_ps(mn);
+    }
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
+}
+
+/* Half h (rows n .. n + 15) of the chunk at `chunk`, rows b0 .. b0 + BB - 1 of x, groups
+ * [g0, g1): y of those rows written to ybuf. */
+AI void tile_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0, const int BB,
+                  int g0, int g1, float *ybuf, const int BITS, const int KIND, int pf) {
+    const int GROUP = BITS == 6 ? 16 : 32, NQ = GROUP / 4, PER_SB = 256 / GROUP, QPI = QUADS_PER_I16(BITS);
+    const int B = a->batch, npad = m->npad;
+    const size_t qbytes = 16 * BITS, tile_bytes = (size_t)NQ * qbytes, qs = a->qx_stride;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 y[NB_MAX][2], fs[NB_MAX][2], fm[NB_MAX][2];
+    __m256i blk[NB_MAX][2]; /* Q6_K: the int32 sums of a block of 32 inputs */
     for (int b = 0; b < BB; b++)
         for (int t = 0; t < 2; t++) {
-            float *yb = y + (size_t)b * ys + 8 * t;
-            _mm256_storeu_ps(yb, flush(_mm256_loadu_ps(yb), D[t], M[t], dxg[b], xsg[b], acc[b][t]));
+            y[b][t] = fs[b][t] = fm[b][t] = _mm256_setzero_ps();
+            blk[b][t] = _mm256_setzero_si256();
         }
-}
-
-AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf,
-                  const int BITS) {
-    const int NB = NB_FOR(BITS);
-    const int B = a->batch, npad = m->npad, nq = m->group / 4;
-    const size_t qbytes = 16 * BITS, chunk_bytes = (size_t)nq * qbytes, qs = a->qx_stride;
-    const int pf0 = si4_prefetch_ahead * BITS / 4 * 4;
-    /* Up to 8 rows of x: every group over all the rows (one stream; y of 8 rows stays in L2).
-     * More (prefill): blocks of 256 rows, so that y of every row of x stays in L2 while the
-     * groups go by, and each half's factors serve B / NB passes. */
-    const int rows_per_block = B > SI4_MAX_BATCH ? 256 : row1 - row0;
-    for (int rb0 = row0; rb0 < row1; rb0 += rows_per_block) {
-        const int rb1 = rb0 + rows_per_block < row1 ? rb0 + rows_per_block : row1;
-        for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * npad + rb0, 0, sizeof(float) * (size_t)(rb1 - rb0));
-        for (int g = g0; g < g1; g++) {
-            const int qb = g * m->group / QM_QBLOCK;
-            float dxg[QM_MAX_BATCH], xsg[QM_MAX_BATCH];
-            for (int b = 0; b < B; b++) {
-                dxg[b] = a->dx[(size_t)b * a->dx_stride + qb];
-                xsg[b] = a->xs[(size_t)g * B + b];
+    for (int g = g0; g < g1; g++) {
+        const uint8_t *p = chunk + (size_t)g * tile_bytes;
+        const int8_t *qx = a->qx + a->goff[g] + (size_t)b0 * qs;
+        __m256i wt[2] = {ones, ones};
+        if (KIND != KIND_PLAIN)
+            for (int t = 0; t < 2; t++) wt[t] = sub_scales(m, g, n + 8 * t, KIND);
+        __m256i acc[NB_MAX][2];
+        for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+        if (pf) /* the tile's lines, once, ahead of the stream */
+            for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
+        for (int i0 = 0; i0 < NQ; i0 += QPI) { /* QPI divides NQ */
+            __m256i s16[NB_MAX][2];
+            for (int b = 0; b < BB; b++) s16[b][0] = s16[b][1] = _mm256_setzero_si256();
+            for (int i = i0; i < i0 + QPI; i++) {
+                const uint8_t *q = p + (size_t)i * qbytes;
+                __m256i W[2];
+                load_half_il(q, h, BITS, W);
+                for (int b = 0; b < BB; b++) {
+                    int32_t q4;
+                    memcpy(&q4, qx + (size_t)b * qs + 4 * i, 4);
+                    mac_quad(W, 2, _mm256_set1_epi32(q4), BITS, s16[b]);
+                }
             }
-            const int8_t *qx = a->qx + a->goff[g];
-            const uint8_t *tiles = m->codes + (size_t)g * (npad / 32) * chunk_bytes;
-            for (int row = rb0; row < rb1; row += 32) {
-                const uint8_t *p = tiles + (size_t)(row / 32) * chunk_bytes;
-                for (int h = 0; h < 2; h++) {
-                    __m256 D[2], M[2];
-                    for (int t = 0; t < 2; t++) factors8(m, g, row + 16 * h + 8 * t, &D[t], &M[t]);
-                    float *y = ybuf + row + 16 * h;
-                    for (int b0 = 0; b0 < B; b0 += NB) {
-                        const int pf = h == 0 && b0 == 0 ? pf0 : 0; /* each line once, ahead of the stream */
-                        const int8_t *qb0 = qx + (size_t)b0 * qs;
-                        float *yb0 = y + (size_t)b0 * npad;
-                        switch (B - b0 < NB ? B - b0 : NB) {
-                        case 1: half_pass(p, qbytes, nq, qb0, qs, h, 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad); break;
-                        case 2: half_pass(p, qbytes, nq, qb0, qs, h, 2, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad); break;
-                        case 3: /* only where NB is 4 */
-                            half_pass(p, qbytes, nq, qb0, qs, h, NB > 2 ? 3 : 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad);
-                            break;
-                        default:
-                            half_pass(p, qbytes, nq, qb0, qs, h, NB > 2 ? 4 : 1, BITS, pf, D, M, dxg + b0, xsg + b0, yb0, npad);
-                            break;
-                        }
-                    }
+            for (int b = 0; b < BB; b++)
+                for (int t = 0; t < 2; t++) acc[b][t] = _mm256_add_epi32(acc[b][t], _mm256_madd_epi16(s16[b][t], wt[t]));
+        }
+        const int qb = g * GROUP / QM_QBLOCK;
+        if (KIND == KIND_PLAIN) {
+            for (int t = 0; t < 2; t++) {
+                __m256 D, M;
+                factors8_plain(m, g, n + 8 * t, &D, &M);
+                for (int b = 0; b < BB; b++)
+                    y[b][t] = flush(y[b][t], D, M, a->dx[(size_t)(b0 + b) * a->dx_stride + qb], a->xs[(size_t)g * B + b0 + b],
+                                    acc[b][t]);
+            }
+            continue;
+        }
+        __m256 mnf[2];
+        for (int t = 0; t < 2; t++) mnf[t] = sub_mins(m, g, n + 8 * t, KIND);
+        const int block_end = KIND == KIND_KQ || g % 2 == 1 || g == g1 - 1; /* Q6_K: blocks of two groups */
+        for (int b = 0; b < BB; b++) {
+            const __m256 dx = _mm256_set1_ps(a->dx[(size_t)(b0 + b) * a->dx_stride + qb]);
+            const __m256 xs = _mm256_set1_ps(a->xs[(size_t)g * B + b0 + b]);
+            for (int t = 0; t < 2; t++) {
+                fm[b][t] = _mm256_fmadd_ps(mnf[t], xs, fm[b][t]);
+                blk[b][t] = _mm256_add_epi32(blk[b][t], acc[b][t]);
+                if (block_end) {
+                    fs[b][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blk[b][t]), dx, fs[b][t]);
+                    blk[b][t] = _mm256_setzero_si256();
+                }
+            }
+        }
+        if (g == g1 - 1 || (g + 1) % PER_SB == 0) { /* the super-block's d (and dmin) */
+            const size_t at = qm_fat(m, (size_t)(g / PER_SB), (size_t)(m->k / 256), n);
+            for (int t = 0; t < 2; t++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + at + 8 * t)));
+                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + at + 8 * t)))
+                                                    : _mm256_setzero_ps();
+                for (int b = 0; b < BB; b++) {
+                    if (KIND == KIND_KQ)
+                        y[b][t] = _mm256_fnmadd_ps(dmin, fm[b][t], _mm256_fmadd_ps(d, fs[b][t], y[b][t]));
+                    else
+                        y[b][t] = _mm256_fmadd_ps(d, _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), fm[b][t], fs[b][t]), y[b][t]);
+                    fs[b][t] = fm[b][t] = _mm256_setzero_ps();
                 }
             }
         }
     }
+    for (int b = 0; b < BB; b++)
+        for (int t = 0; t < 2; t++) _mm256_storeu_ps(ybuf + (size_t)(b0 + b) * npad + n + 8 * t, y[b][t]);
+}
+
+AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
+                  const int KIND) {
+    const int B = a->batch, NB = B == 1 ? 1 : NB_MAX;
+    const int pf0 = si4_prefetch_ahead * BITS / 4 * 4;
+    for (int row = row0; row < row1; row += 32) {
+        const uint8_t *chunk = qm_tile(m, row / 32, 0);
+        for (int h = 0; h < 2; h++)
+            for (int b0 = 0; b0 < B; b0 += NB) {
+                const int pf = h == 0 && b0 == 0 ? pf0 : 0; /* each line once, ahead of the stream */
+                const int n = row + 16 * h;
+                switch (B - b0 < NB ? B - b0 : NB) {
+                case 1: tile_pass(m, a, chunk, n, h, b0, 1, g0, g1, ybuf, BITS, KIND, pf); break;
+                case 2: tile_pass(m, a, chunk, n, h, b0, 2, g0, g1, ybuf, BITS, KIND, pf); break;
+                case 3: tile_pass(m, a, chunk, n, h, b0, 3, g0, g1, ybuf, BITS, KIND, pf); break;
+                default: tile_pass(m, a, chunk, n, h, b0, 4, g0, g1, ybuf, BITS, KIND, pf); break;
+                }
+            }
+    }
+}
+
+/* kernel_il with the matrix's factor kind as a compile-time constant. */
+AI void kernel_il_kinds(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf,
+                        const int BITS) {
+    if ((BITS == 4 || BITS == 5) && m->mn) kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS, KIND_KQ);
+    else if (BITS == 6) kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS, KIND_Q6);
+    else kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS, KIND_PLAIN);
 }
 
 AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
               const int IL) {
     const int B = a->batch, cb = 4 * BITS;
-    /* 8-bit codes with one or two rows of x: the whole-chunk passes below are faster
-     * (measured: 137 against 190 us for one row of a 2048 x 1536 Q8_0 on one thread); both give
-     * the same numbers per row. */
-    if (IL && (BITS != 8 || B > 2)) {
-        kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS);
+    if (IL) {
+        kernel_il_kinds(m, a, row0, row1, g0, g1, ybuf, BITS);
         return;
     }
     if (B > SI4_MAX_BATCH) {
@@ -411,8 +483,7 @@ AI void dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *o
         for (int row = row0; row < row1; row += 32) {
             __m256i W[4];
             if (IL) {
-                const size_t tile = ((size_t)g * (m->npad / 32) + row / 32) * (m->group / 4);
-                load_quad_il(m->codes + (tile + (size_t)(j % m->group) / 4) * (4 * cb), BITS, W);
+                load_quad_il(qm_tile(m, row / 32, g) + (size_t)(j % m->group) / 4 * (4 * cb), BITS, W);
             } else {
                 const uint8_t *p[4];
                 for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)(j + t) * m->colstride + (size_t)(row / 32) * cb;

@@ -12,12 +12,11 @@
  *   8-bit, bytes 0..31:             byte 4 (r / 8) + r % 4 + 16 ((r % 8) / 4)  */
 int qm_code(const qm_matrix *m, int j, int n) {
     const int bits = m->bits, cb = 4 * bits, r = n % 32;
-    /* il: the chunk of column j's quad in tile (group, chunk); byte c of column t's chunk is at
+    /* il: the chunk of column j's quad in tile (chunk, group); byte c of column t's chunk is at
      * 4 c + t there */
     const int il = m->interleaved, t = il ? j % 4 : 0, mul = il ? 4 : 1;
-    const uint8_t *chunk =
-        il ? m->codes + (((size_t)(j / m->group) * (m->npad / 32) + n / 32) * (m->group / 4) + (j % m->group) / 4) * (4 * cb)
-           : m->codes + (size_t)j * m->colstride + (size_t)(n / 32) * cb;
+    const uint8_t *chunk = il ? qm_tile(m, n / 32, j / m->group) + (size_t)((j % m->group) / 4) * (4 * cb)
+                              : m->codes + (size_t)j * m->colstride + (size_t)(n / 32) * cb;
     if (bits == 8) return (int8_t)chunk[il ? 4 * r + t : 4 * (r / 8) + r % 4 + 16 * ((r % 8) / 4)];
     int q = (chunk[mul * (8 * (r / 16) + r % 8) + t] >> (4 * ((r % 16) / 8))) & 15;
     if (bits == 5) q |= ((chunk[16 * mul + mul * (r % 4) + t] >> (2 * (r / 8) + (r % 8) / 4)) & 1) << 4;
@@ -196,6 +195,7 @@ qm_dense_prepare_fn qm_dense_prepare_for(int isa) {
  * rows read stay in cache. */
 void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group, uint8_t *out) {
     const int nch = (n + 31) / 32, qpg = group / 4, qb = 16 * bits, G = k / group;
+    (void)nch;
     uint32_t R[32], o[32];
     for (int c = 0; c < nch; c++)
         for (int g = 0; g < G; g++)
@@ -206,7 +206,7 @@ void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group
                     if (c * 32 + r < n) memcpy(&R[r], codes + (size_t)(c * 32 + r) * k + j, 4);
                 }
                 if (bits == 8) {
-                    memcpy(out + (((size_t)g * nch + c) * qpg + qi) * qb, R, sizeof R);
+                    memcpy(out + (((size_t)c * G + g) * qpg + qi) * qb, R, sizeof R);
                     continue;
                 }
                 /* low nibbles: row 16 h + 8 s + p in byte 8 h + p, nibble s */
@@ -226,7 +226,7 @@ void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group
                         for (int cc = 0; cc < 4; cc++) v |= ((R[8 * cc + p] >> 4) & 0x03030303u) << (2 * cc);
                         o[16 + p] = v;
                     }
-                memcpy(out + (((size_t)g * nch + c) * qpg + qi) * qb, o, (size_t)qb);
+                memcpy(out + (((size_t)c * G + g) * qpg + qi) * qb, o, (size_t)qb);
             }
 }
 
