@@ -314,111 +314,193 @@ AI __m256 sub_mins(const qm_matrix *m, int g, int n, const int KIND) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
 }
 
-/* Half h (rows n .. n + 15) of the chunk at `chunk`, rows b0 .. b0 + BB - 1 of x, groups
- * [g0, g1): y of those rows written to ybuf. */
-AI void tile_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0, const int BB,
+/* The running sums of one row of x for 8 rows of W (see the section comment): y, and for the
+ * K-quants / Q6_K the super-block's fs, fm and (Q6_K) the int32 sums of a block of 32. */
+typedef struct {
+    __m256 y, fs, fm;
+    __m256i blk;
+} acc8;
+
+/* A group's factors for 8 rows of W, shared by every row of x: the widening weights, and D, M
+ * (plain types) or what multiplies xs (the others). */
+typedef struct {
+    __m256i wt;
+    __m256 D, M, mnf;
+} fac8;
+
+AI void group_factors(const qm_matrix *m, int g, int n, const int KIND, fac8 *f) {
+    if (KIND == KIND_PLAIN) {
+        f->wt = _mm256_set1_epi16(1);
+        factors8_plain(m, g, n, &f->D, &f->M);
+    } else {
+        f->wt = sub_scales(m, g, n, KIND);
+        f->mnf = sub_mins(m, g, n, KIND);
+    }
+}
+
+/* acc[b][t] element e = sum over the group's quads (tile at p) of q(row 16 h + 8 t + e) * qx,
+ * each int16 pair weighted by wt[t], for the BB rows of x at qx[b * qs]. */
+AI void group_sums_il(const uint8_t *p, const int8_t *qx, size_t qs, const int h, const int BB, const int BITS,
+                      const fac8 f[2], __m256i acc[NB_MAX][2]) {
+    const int NQ = (BITS == 6 ? 16 : 32) / 4, QPI = QUADS_PER_I16(BITS);
+    for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+    for (int i0 = 0; i0 < NQ; i0 += QPI) { /* QPI divides NQ */
+        __m256i s16[NB_MAX][2];
+        for (int b = 0; b < BB; b++) s16[b][0] = s16[b][1] = _mm256_setzero_si256();
+        for (int i = i0; i < i0 + QPI; i++) {
+            __m256i W[2];
+            load_half_il(p + (size_t)i * (16 * BITS), h, BITS, W);
+            for (int b = 0; b < BB; b++) {
+                int32_t q4;
+                memcpy(&q4, qx + (size_t)b * qs + 4 * i, 4);
+                mac_quad(W, 2, _mm256_set1_epi32(q4), BITS, s16[b]);
+            }
+        }
+        for (int b = 0; b < BB; b++)
+            for (int t = 0; t < 2; t++) acc[b][t] = _mm256_add_epi32(acc[b][t], _mm256_madd_epi16(s16[b][t], f[t].wt));
+    }
+}
+
+/* One row of x's float update by group g's int32 sums (the same operations on every path). */
+AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, const int KIND, int block_end) {
+    if (KIND == KIND_PLAIN) {
+        s->y = flush(s->y, f->D, f->M, dx, xs, acc);
+        return;
+    }
+    s->fm = _mm256_fmadd_ps(f->mnf, _mm256_set1_ps(xs), s->fm);
+    if (KIND == KIND_KQ) { /* a group is a block of 32 */
+        s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dx), s->fs);
+        return;
+    }
+    s->blk = _mm256_add_epi32(s->blk, acc);
+    if (block_end) {
+        s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s->blk), _mm256_set1_ps(dx), s->fs);
+        s->blk = _mm256_setzero_si256();
+    }
+}
+
+/* The super-block's d (and dmin) into y, after its last group. */
+AI void superblock_update(acc8 *s, __m256 d, __m256 dmin, const int KIND) {
+    if (KIND == KIND_KQ) s->y = _mm256_fnmadd_ps(dmin, s->fm, _mm256_fmadd_ps(d, s->fs, s->y));
+    else s->y = _mm256_fmadd_ps(d, _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), s->fm, s->fs), s->y);
+    s->fs = s->fm = _mm256_setzero_ps();
+}
+
+/* Half h (rows n .. n + 15) of the chunk at `chunk`, rows b0 .. b0 + BB - 1 of x (BB <= NB_MAX),
+ * groups [g0, g1), with every row's sums in registers; y of those rows written to ybuf. */
+AI void half_rows(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0, const int BB,
                   int g0, int g1, float *ybuf, const int BITS, const int KIND, int pf) {
-    const int GROUP = BITS == 6 ? 16 : 32, NQ = GROUP / 4, PER_SB = 256 / GROUP, QPI = QUADS_PER_I16(BITS);
-    const int B = a->batch, npad = m->npad;
-    const size_t qbytes = 16 * BITS, tile_bytes = (size_t)NQ * qbytes, qs = a->qx_stride;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 y[NB_MAX][2], fs[NB_MAX][2], fm[NB_MAX][2];
-    __m256i blk[NB_MAX][2]; /* Q6_K: the int32 sums of a block of 32 inputs */
+    const int GROUP = BITS == 6 ? 16 : 32, PER_SB = 256 / GROUP;
+    const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS);
+    acc8 s[NB_MAX][2];
     for (int b = 0; b < BB; b++)
         for (int t = 0; t < 2; t++) {
-            y[b][t] = fs[b][t] = fm[b][t] = _mm256_setzero_ps();
-            blk[b][t] = _mm256_setzero_si256();
+            s[b][t].y = s[b][t].fs = s[b][t].fm = _mm256_setzero_ps();
+            s[b][t].blk = _mm256_setzero_si256();
         }
     for (int g = g0; g < g1; g++) {
         const uint8_t *p = chunk + (size_t)g * tile_bytes;
-        const int8_t *qx = a->qx + a->goff[g] + (size_t)b0 * qs;
-        __m256i wt[2] = {ones, ones};
-        if (KIND != KIND_PLAIN)
-            for (int t = 0; t < 2; t++) wt[t] = sub_scales(m, g, n + 8 * t, KIND);
-        __m256i acc[NB_MAX][2];
-        for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
         if (pf) /* the tile's lines, once, ahead of the stream */
             for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
-        for (int i0 = 0; i0 < NQ; i0 += QPI) { /* QPI divides NQ */
-            __m256i s16[NB_MAX][2];
-            for (int b = 0; b < BB; b++) s16[b][0] = s16[b][1] = _mm256_setzero_si256();
-            for (int i = i0; i < i0 + QPI; i++) {
-                const uint8_t *q = p + (size_t)i * qbytes;
-                __m256i W[2];
-                load_half_il(q, h, BITS, W);
-                for (int b = 0; b < BB; b++) {
-                    int32_t q4;
-                    memcpy(&q4, qx + (size_t)b * qs + 4 * i, 4);
-                    mac_quad(W, 2, _mm256_set1_epi32(q4), BITS, s16[b]);
-                }
-            }
-            for (int b = 0; b < BB; b++)
-                for (int t = 0; t < 2; t++) acc[b][t] = _mm256_add_epi32(acc[b][t], _mm256_madd_epi16(s16[b][t], wt[t]));
-        }
-        const int qb = g * GROUP / QM_QBLOCK;
-        if (KIND == KIND_PLAIN) {
-            for (int t = 0; t < 2; t++) {
-                __m256 D, M;
-                factors8_plain(m, g, n + 8 * t, &D, &M);
-                for (int b = 0; b < BB; b++)
-                    y[b][t] = flush(y[b][t], D, M, a->dx[(size_t)(b0 + b) * a->dx_stride + qb], a->xs[(size_t)g * B + b0 + b],
-                                    acc[b][t]);
-            }
-            continue;
-        }
-        __m256 mnf[2];
-        for (int t = 0; t < 2; t++) mnf[t] = sub_mins(m, g, n + 8 * t, KIND);
-        const int block_end = KIND == KIND_KQ || g % 2 == 1 || g == g1 - 1; /* Q6_K: blocks of two groups */
-        for (int b = 0; b < BB; b++) {
-            const __m256 dx = _mm256_set1_ps(a->dx[(size_t)(b0 + b) * a->dx_stride + qb]);
-            const __m256 xs = _mm256_set1_ps(a->xs[(size_t)g * B + b0 + b]);
-            for (int t = 0; t < 2; t++) {
-                fm[b][t] = _mm256_fmadd_ps(mnf[t], xs, fm[b][t]);
-                blk[b][t] = _mm256_add_epi32(blk[b][t], acc[b][t]);
-                if (block_end) {
-                    fs[b][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blk[b][t]), dx, fs[b][t]);
-                    blk[b][t] = _mm256_setzero_si256();
-                }
-            }
-        }
-        if (g == g1 - 1 || (g + 1) % PER_SB == 0) { /* the super-block's d (and dmin) */
+        fac8 f[2];
+        for (int t = 0; t < 2; t++) group_factors(m, g, n + 8 * t, KIND, &f[t]);
+        __m256i acc[NB_MAX][2];
+        group_sums_il(p, a->qx + a->goff[g] + (size_t)b0 * a->qx_stride, a->qx_stride, h, BB, BITS, f, acc);
+        const int qb = g * GROUP / QM_QBLOCK, block_end = KIND != KIND_Q6 || g % 2 == 1 || g == g1 - 1;
+        for (int b = 0; b < BB; b++)
+            for (int t = 0; t < 2; t++)
+                group_update(&s[b][t], &f[t], acc[b][t], a->dx[(size_t)(b0 + b) * a->dx_stride + qb],
+                             a->xs[(size_t)g * a->batch + b0 + b], KIND, block_end);
+        if (KIND != KIND_PLAIN && (g == g1 - 1 || (g + 1) % PER_SB == 0)) {
             const size_t at = qm_fat(m, (size_t)(g / PER_SB), (size_t)(m->k / 256), n);
             for (int t = 0; t < 2; t++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + at + 8 * t)));
                 const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + at + 8 * t)))
                                                     : _mm256_setzero_ps();
-                for (int b = 0; b < BB; b++) {
-                    if (KIND == KIND_KQ)
-                        y[b][t] = _mm256_fnmadd_ps(dmin, fm[b][t], _mm256_fmadd_ps(d, fs[b][t], y[b][t]));
-                    else
-                        y[b][t] = _mm256_fmadd_ps(d, _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), fm[b][t], fs[b][t]), y[b][t]);
-                    fs[b][t] = fm[b][t] = _mm256_setzero_ps();
-                }
+                for (int b = 0; b < BB; b++) superblock_update(&s[b][t], d, dmin, KIND);
             }
         }
     }
     for (int b = 0; b < BB; b++)
-        for (int t = 0; t < 2; t++) _mm256_storeu_ps(ybuf + (size_t)(b0 + b) * npad + n + 8 * t, y[b][t]);
+        for (int t = 0; t < 2; t++) _mm256_storeu_ps(ybuf + (size_t)(b0 + b) * m->npad + n + 8 * t, s[b][t].y);
+}
+
+/* The same for every row of x at once (more than NB_MAX): groups outer, the rows' sums in L1,
+ * each group's factors computed once for all of them. */
+AI void half_all_rows(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int g0, int g1,
+                      float *ybuf, acc8 (*s)[2], const int BITS, const int KIND, int pf) {
+    const int GROUP = BITS == 6 ? 16 : 32, PER_SB = 256 / GROUP, B = a->batch;
+    const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS);
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < 2; t++) {
+            s[b][t].y = s[b][t].fs = s[b][t].fm = _mm256_setzero_ps();
+            s[b][t].blk = _mm256_setzero_si256();
+        }
+    for (int g = g0; g < g1; g++) {
+        const uint8_t *p = chunk + (size_t)g * tile_bytes;
+        if (pf)
+            for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
+        fac8 f[2];
+        for (int t = 0; t < 2; t++) group_factors(m, g, n + 8 * t, KIND, &f[t]);
+        const int qb = g * GROUP / QM_QBLOCK, block_end = KIND != KIND_Q6 || g % 2 == 1 || g == g1 - 1;
+        const int8_t *qx = a->qx + a->goff[g];
+        for (int b0 = 0; b0 < B; b0 += NB_MAX) {
+            __m256i acc[NB_MAX][2];
+            const int BB = B - b0 < NB_MAX ? B - b0 : NB_MAX;
+#define PASS_ROWS(BB_)                                                                                          \
+    do {                                                                                                        \
+        group_sums_il(p, qx + (size_t)b0 * a->qx_stride, a->qx_stride, h, BB_, BITS, f, acc);                   \
+        for (int b = 0; b < BB_; b++)                                                                           \
+            for (int t = 0; t < 2; t++)                                                                         \
+                group_update(&s[b0 + b][t], &f[t], acc[b][t], a->dx[(size_t)(b0 + b) * a->dx_stride + qb],      \
+                             a->xs[(size_t)g * B + b0 + b], KIND, block_end);                                   \
+    } while (0)
+            switch (BB) {
+            case 1: PASS_ROWS(1); break;
+            case 2: PASS_ROWS(2); break;
+            case 3: PASS_ROWS(3); break;
+            default: PASS_ROWS(4); break;
+            }
+#undef PASS_ROWS
+        }
+        if (KIND != KIND_PLAIN && (g == g1 - 1 || (g + 1) % PER_SB == 0)) {
+            const size_t at = qm_fat(m, (size_t)(g / PER_SB), (size_t)(m->k / 256), n);
+            for (int t = 0; t < 2; t++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + at + 8 * t)));
+                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + at + 8 * t)))
+                                                    : _mm256_setzero_ps();
+                for (int b = 0; b < B; b++) superblock_update(&s[b][t], d, dmin, KIND);
+            }
+        }
+    }
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < 2; t++) _mm256_storeu_ps(ybuf + (size_t)b * m->npad + n + 8 * t, s[b][t].y);
 }
 
 AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
                   const int KIND) {
-    const int B = a->batch, NB = B == 1 ? 1 : NB_MAX;
+    const int B = a->batch;
     const int pf0 = si4_prefetch_ahead * BITS / 4 * 4;
+    acc8 (*s)[2] = NULL; /* prefill: every row's sums */
+    if (B > SI4_MAX_BATCH && !(s = aligned_alloc(32, sizeof(acc8) * 2 * (size_t)B))) return;
     for (int row = row0; row < row1; row += 32) {
         const uint8_t *chunk = qm_tile(m, row / 32, 0);
-        for (int h = 0; h < 2; h++)
-            for (int b0 = 0; b0 < B; b0 += NB) {
-                const int pf = h == 0 && b0 == 0 ? pf0 : 0; /* each line once, ahead of the stream */
-                const int n = row + 16 * h;
-                switch (B - b0 < NB ? B - b0 : NB) {
-                case 1: tile_pass(m, a, chunk, n, h, b0, 1, g0, g1, ybuf, BITS, KIND, pf); break;
-                case 2: tile_pass(m, a, chunk, n, h, b0, 2, g0, g1, ybuf, BITS, KIND, pf); break;
-                case 3: tile_pass(m, a, chunk, n, h, b0, 3, g0, g1, ybuf, BITS, KIND, pf); break;
-                default: tile_pass(m, a, chunk, n, h, b0, 4, g0, g1, ybuf, BITS, KIND, pf); break;
-                }
+        for (int h = 0; h < 2; h++) {
+            const int n = row + 16 * h, pf = h == 0 ? pf0 : 0; /* each line once, ahead of the stream */
+            if (B > SI4_MAX_BATCH) {
+                half_all_rows(m, a, chunk, n, h, g0, g1, ybuf, s, BITS, KIND, pf);
+                continue;
             }
+            for (int b0 = 0; b0 < B; b0 += NB_MAX) /* a decode step: passes of rows in registers */
+                switch (B - b0 < NB_MAX ? B - b0 : NB_MAX) {
+                case 1: half_rows(m, a, chunk, n, h, b0, 1, g0, g1, ybuf, BITS, KIND, b0 ? 0 : pf); break;
+                case 2: half_rows(m, a, chunk, n, h, b0, 2, g0, g1, ybuf, BITS, KIND, b0 ? 0 : pf); break;
+                case 3: half_rows(m, a, chunk, n, h, b0, 3, g0, g1, ybuf, BITS, KIND, b0 ? 0 : pf); break;
+                default: half_rows(m, a, chunk, n, h, b0, 4, g0, g1, ybuf, BITS, KIND, b0 ? 0 : pf); break;
+                }
+        }
     }
+    free(s);
 }
 
 /* kernel_il with the matrix's factor kind as a compile-time constant. */
