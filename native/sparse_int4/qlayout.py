@@ -228,10 +228,11 @@ def decode(raw: np.ndarray, qtype: int, native: bool = True) -> QuantCodes:
 @dataclass(frozen=True)
 class PackedQuant:
     """The kernels' arrays: codes (K, colstride) uint8, d / m (K // dgroup, npad) uint16 (fp16),
-    sc (K // group, npad) uint8 (Q6_K: int8 scales; Q4_K / Q5_K: the low 4 bits of the 6-bit
-    scale and, above them, of the min), mn (K // 256, npad) uint32 (Q4_K / Q5_K: the top 2 bits
-    of sub-block j's scale at bit 4j, of its min at 4j + 2); m, sc, mn None where the type has
-    none. Every type reads the file's own bytes per weight, no more."""
+    sc (K // group, npad) uint8 (Q6_K: int8 scales; Q4_K / Q5_K: the 6-bit scale and, above it,
+    the top 2 bits of the 6-bit min), mn (K // 256, npad) uint32 (Q4_K / Q5_K: the low 4 bits of
+    sub-block j's min at bit 4j); m, sc, mn None where the type has none. Interleaved, each
+    array holds the same values chunk by chunk, (npad // 32, F, 32) for F factors a row. Every
+    type reads the file's own bytes per weight, no more."""
 
     qtype: int
     n: int
@@ -334,11 +335,11 @@ def pack(c: QuantCodes, interleaved: bool = False, native: bool = True) -> Packe
         return out
 
     sc, mn = c.sc, c.mn
-    if mn is not None:  # K-quants: 6-bit (sc, mn) as the file keeps them, 12 bytes per super-block row
+    if mn is not None:  # K-quants: 6-bit (sc, mn), 12 bytes per super-block row as in the file
         assert sc is not None
-        sc = ((sc & 15) | ((mn & 15) << 4)).astype(np.uint8)  # (N, G): low 4 bits of each
-        top = ((c.sc >> 4).astype(np.uint32) | ((c.mn >> 4).astype(np.uint32) << 2)).reshape(n, -1, 8)  # (N, S, 8)
-        mn = np.bitwise_or.reduce(top << (4 * np.arange(8, dtype=np.uint32)), axis=-1).astype(np.uint32)  # (N, S)
+        sc = ((sc & 63) | ((mn >> 4) << 6)).astype(np.uint8)  # (N, G): the scale, the min's top 2 bits
+        low = (c.mn & 15).astype(np.uint32).reshape(n, -1, 8)  # (N, S, 8): the mins' low 4 bits
+        mn = np.bitwise_or.reduce(low << (4 * np.arange(8, dtype=np.uint32)), axis=-1).astype(np.uint32)  # (N, S)
     return PackedQuant(c.qtype, n, k, codes, cols(c.d, np.uint16), cols(c.m, np.uint16),  # type: ignore[arg-type]
                        cols(sc, np.uint8), cols(mn, np.uint32), interleaved)
 

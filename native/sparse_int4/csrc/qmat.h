@@ -45,10 +45,10 @@ typedef struct {
     const uint16_t *d;     /* (K / dgroup, npad) fp16 */
     const uint16_t *m;     /* (K / dgroup, npad) fp16, or NULL: Q4_1 / Q5_1 min, K-quant dmin */
     const uint8_t *sc;     /* (K / group, npad), or NULL: Q6_K's int8 sub-block scales; Q4_K / Q5_K's
-                            * low 4 bits of the 6-bit scale (low nibble) and min (high nibble) */
-    const uint32_t *mn;    /* (K / 256, npad), or NULL: Q4_K / Q5_K's top 2 bits of sub-block j's
-                            * scale at bits 4j, of its min at bits 4j + 2 (12 bytes per super-block
-                            * and row in all, as in the file) */
+                            * 6-bit scale, and the top 2 bits of the 6-bit min at bits 6, 7 */
+    const uint32_t *mn;    /* (K / 256, npad), or NULL: Q4_K / Q5_K's low 4 bits of sub-block j's
+                            * min at bits 4j (12 bytes per super-block and row in all, as in the
+                            * file). Interleaved: d, m, sc, mn chunk by chunk (qm_fat). */
     int type, bits, group, dgroup, off, sc_signed;
     int interleaved; /* codes in quads of columns (dense only; see qlayout.py) */
     int n, npad, k;
@@ -154,9 +154,8 @@ static inline void qm_factors(const qm_matrix *m, int g, int n, float *D, float 
     float d = qm_f16(m->d[dat]);
     int sc = 0, mn = 0;
     if (m->mn) { /* 6-bit scale and min of sub-block g % 8 */
-        const uint32_t hi = m->mn[dat] >> (4 * (g % 8));
-        sc = (m->sc[at] & 15) | (int)(hi & 3) << 4;
-        mn = (m->sc[at] >> 4) | (int)((hi >> 2) & 3) << 4;
+        sc = m->sc[at] & 63;
+        mn = (m->sc[at] >> 6) << 4 | (int)((m->mn[dat] >> (4 * (g % 8))) & 15);
     } else if (m->sc) {
         sc = m->sc_signed ? (int8_t)m->sc[at] : m->sc[at];
     }

@@ -116,13 +116,11 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
     const size_t dg = (size_t)g * m->group / m->dgroup, nd = (size_t)(m->k / m->dgroup);
     const size_t at = qm_fat(m, (size_t)g, (size_t)(m->k / m->group), n), dat = qm_fat(m, dg, nd, n);
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + dat)));
-    if (m->mn) { /* Q4_K / Q5_K: 6-bit scale and min of sub-block g % 8 from 4 + 2 bits */
-        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m->sc + at)));
-        const __m256i hi = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + dat)), 4 * (g % 8));
-        const __m256i three = _mm256_set1_epi32(3), fifteen = _mm256_set1_epi32(15);
-        const __m256i sc = _mm256_or_si256(_mm256_and_si256(lo, fifteen), _mm256_slli_epi32(_mm256_and_si256(hi, three), 4));
-        const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4),
-                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2), three), 4));
+    if (m->mn) { /* Q4_K / Q5_K: 6-bit scale and min of sub-block g % 8 */
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m->sc + at)));
+        const __m256i lo = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + dat)), 4 * (g % 8));
+        const __m256i sc = _mm256_and_si256(b, _mm256_set1_epi32(63));
+        const __m256i mn = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(b, 6), 4), _mm256_and_si256(lo, _mm256_set1_epi32(15)));
         d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
         *D = d;
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dat)));
@@ -284,20 +282,19 @@ AI void factors8_plain(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
 #define NB_MAX 4 /* rows of x per pass over a half */
 
 /* The widening weights of rows n .. n + 7 in group g: each row's sub-block scale as an int16
- * pair (sc, sc) per int32 element (Q4_K / Q5_K: 6 bits from 4 + 2; Q6_K: int8). */
+ * pair (sc, sc) per int32 element, by one byte shuffle (Q4_K / Q5_K: the low 6 bits of the
+ * byte; Q6_K: the int8, sign-extended). */
 AI __m256i sub_scales(const qm_matrix *m, int g, int n, const int KIND) {
     const int group = KIND == KIND_KQ ? 32 : 16;
-    const __m128i b8 = _mm_loadl_epi64((const __m128i *)(m->sc + qm_fat(m, (size_t)g, (size_t)(m->k / group), n)));
-    if (KIND == KIND_KQ) {
-        const __m256i lo = _mm256_cvtepu8_epi32(b8);
-        const __m256i hi = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + qm_fat(m, (size_t)(g / 8), (size_t)(m->k / 256), n))),
-                                            _mm_cvtsi32_si128(4 * (g % 8)));
-        const __m256i sc = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
-                                           _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
-        return _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+    const __m256i b8 = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(m->sc + qm_fat(m, (size_t)g, (size_t)(m->k / group), n))));
+    if (KIND == KIND_KQ) { /* byte r into both int16 of element r */
+        const __m256i at = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5, -1, 5,
+                                            -1, 6, -1, 6, -1, 7, -1, 7, -1);
+        return _mm256_and_si256(_mm256_shuffle_epi8(b8, at), _mm256_set1_epi16(63));
     }
-    const __m256i sc = _mm256_cvtepi8_epi32(b8);
-    return _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sc, 16));
+    const __m256i at = _mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5, -1, 5,
+                                        -1, 6, -1, 6, -1, 7, -1, 7); /* into the high bytes, then down */
+    return _mm256_srai_epi16(_mm256_shuffle_epi8(b8, at), 8);
 }
 
 /* What multiplies xs_g for rows n .. n + 7: Q4_K / Q5_K the sub-block's 6-bit min, Q6_K its scale. */
@@ -305,11 +302,10 @@ AI __m256 sub_mins(const qm_matrix *m, int g, int n, const int KIND) {
     const int group = KIND == KIND_KQ ? 32 : 16;
     const __m128i b8 = _mm_loadl_epi64((const __m128i *)(m->sc + qm_fat(m, (size_t)g, (size_t)(m->k / group), n)));
     if (KIND == KIND_KQ) {
-        const __m256i hi = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + qm_fat(m, (size_t)(g / 8), (size_t)(m->k / 256), n))),
-                                            _mm_cvtsi32_si128(4 * (g % 8) + 2));
-        const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(b8), 4),
-                                           _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
-        return _mm256_cvtepi32_ps(mn);
+        const __m256i lo = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + qm_fat(m, (size_t)(g / 8), (size_t)(m->k / 256), n))),
+                                            _mm_cvtsi32_si128(4 * (g % 8)));
+        const __m256i top = _mm256_srli_epi32(_mm256_and_si256(_mm256_cvtepu8_epi32(b8), _mm256_set1_epi32(0xc0)), 2);
+        return _mm256_cvtepi32_ps(_mm256_or_si256(top, _mm256_and_si256(lo, _mm256_set1_epi32(15))));
     }
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
 }
