@@ -80,6 +80,19 @@ AI void load_half_il(const uint8_t *p, const int h, const int BITS, __m256i W[2]
         W[1] = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
         return;
     }
+    if (BITS == 6) { /* qlayout.py: rows 0..15 whole in bytes 0..63, rows 16..31 from a nibble and two bits */
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)p), v2 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        if (h == 0) {
+            const __m256i m63 = _mm256_set1_epi8(63);
+            W[0] = _mm256_and_si256(v1, m63);
+            W[1] = _mm256_and_si256(v2, m63);
+            return;
+        }
+        const __m256i nib = _mm256_loadu_si256((const __m256i *)(p + 64)), f = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+        W[0] = _mm256_or_si256(_mm256_and_si256(nib, f), _mm256_and_si256(_mm256_srli_epi16(v1, 2), top));
+        W[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib, 4), f), _mm256_and_si256(_mm256_srli_epi16(v2, 2), top));
+        return;
+    }
     const __m256i u = _mm256_loadu_si256((const __m256i *)(p + 32 * h)), f = _mm256_set1_epi8(15);
     W[0] = _mm256_and_si256(u, f);
     W[1] = _mm256_and_si256(_mm256_srli_epi16(u, 4), f);
@@ -91,15 +104,6 @@ AI void load_half_il(const uint8_t *p, const int h, const int BITS, __m256i W[2]
             const __m256i bit = join(_mm_set1_epi8((char)(1 << (2 * v))), _mm_set1_epi8((char)(1 << (2 * v + 1))));
             const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
             W[t] = _mm256_or_si256(W[t], _mm256_and_si256(set, sixteen));
-        }
-    } else if (BITS == 6) {
-        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 64)), m = _mm256_set1_epi8(0x30);
-        if (h == 0) {
-            W[0] = _mm256_or_si256(W[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), m));
-            W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), m));
-        } else {
-            W[0] = _mm256_or_si256(W[0], _mm256_and_si256(hv, m));
-            W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_srli_epi16(hv, 2), m));
         }
     }
 }
@@ -270,69 +274,70 @@ AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, i
  * pass width: a row's result does not depend on the rows computed beside it. */
 
 enum { KIND_PLAIN, KIND_KQ, KIND_Q6 };
+#define NB_MAX 4 /* rows of x per pass over a half in a decode step */
 
-/* factors8 of the types with one factor per group of 32 and no sub-block scales (the same
- * numbers, without the general case's divisions). */
-AI void factors8_plain(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
-    const size_t at = qm_fat(m, (size_t)g, (size_t)(m->k / 32), n);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + at)));
-    *D = d;
-    *M = m->m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + at))) : _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
-}
-#define NB_MAX 4 /* rows of x per pass over a half */
-
-/* The widening weights of rows n .. n + 7 in group g: each row's sub-block scale as an int16
- * pair (sc, sc) per int32 element, by one byte shuffle (Q4_K / Q5_K: the low 6 bits of the
- * byte; Q6_K: the int8, sign-extended). */
-AI __m256i sub_scales(const qm_matrix *m, int g, int n, const int KIND) {
-    const int group = KIND == KIND_KQ ? 32 : 16;
-    const __m256i b8 = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(m->sc + qm_fat(m, (size_t)g, (size_t)(m->k / group), n))));
-    if (KIND == KIND_KQ) { /* byte r into both int16 of element r */
-        const __m256i at = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5, -1, 5,
-                                            -1, 6, -1, 6, -1, 7, -1, 7, -1);
-        return _mm256_and_si256(_mm256_shuffle_epi8(b8, at), _mm256_set1_epi16(63));
-    }
-    const __m256i at = _mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5, -1, 5,
-                                        -1, 6, -1, 6, -1, 7, -1, 7); /* into the high bytes, then down */
-    return _mm256_srai_epi16(_mm256_shuffle_epi8(b8, at), 8);
-}
-
-/* What multiplies xs_g for rows n .. n + 7: Q4_K / Q5_K the sub-block's 6-bit min, Q6_K its scale. */
-AI __m256 sub_mins(const qm_matrix *m, int g, int n, const int KIND) {
-    const int group = KIND == KIND_KQ ? 32 : 16;
-    const __m128i b8 = _mm_loadl_epi64((const __m128i *)(m->sc + qm_fat(m, (size_t)g, (size_t)(m->k / group), n)));
-    if (KIND == KIND_KQ) {
-        const __m256i lo = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + qm_fat(m, (size_t)(g / 8), (size_t)(m->k / 256), n))),
-                                            _mm_cvtsi32_si128(4 * (g % 8)));
-        const __m256i top = _mm256_srli_epi32(_mm256_and_si256(_mm256_cvtepu8_epi32(b8), _mm256_set1_epi32(0xc0)), 2);
-        return _mm256_cvtepi32_ps(_mm256_or_si256(top, _mm256_and_si256(lo, _mm256_set1_epi32(15))));
-    }
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
-}
-
-/* The running sums of one row of x for 8 rows of W (see the section comment): y, and for the
- * K-quants / Q6_K the super-block's fs, fm and (Q6_K) the int32 sums of a block of 32. */
+/* A chunk's factors from row n on (interleaved: each array chunk by chunk, qm_fat): factor f
+ * of rows n .. n + 7 at [32 f] (d and m per super-block for the K-quants and Q6_K, per group of
+ * 32 for the others; sc per group; mn per super-block). */
 typedef struct {
-    __m256 y, fs, fm;
-    __m256i blk;
-} acc8;
+    const uint16_t *d, *m;
+    const uint8_t *sc;
+    const uint32_t *mn;
+} chunk_fac;
 
-/* A group's factors for 8 rows of W, shared by every row of x: the widening weights, and D, M
- * (plain types) or what multiplies xs (the others). */
+AI chunk_fac chunk_factors(const qm_matrix *m, int n) {
+    const size_t nd = (size_t)(m->k / m->dgroup), ng = (size_t)(m->k / m->group);
+    const chunk_fac f = {
+        .d = m->d + qm_fat(m, 0, nd, n),
+        .m = m->m ? m->m + qm_fat(m, 0, nd, n) : NULL,
+        .sc = m->sc ? m->sc + qm_fat(m, 0, ng, n) : NULL,
+        .mn = m->mn ? m->mn + qm_fat(m, 0, nd, n) : NULL,
+    };
+    return f;
+}
+
+/* A group's factors for 8 rows of W, shared by every row of x: the widening weights (each
+ * row's int16 pair (sc, sc) per int32 element: 1 for the plain types), and D, M (plain: y +=
+ * D dx S + M xs) or what multiplies xs (Q4_K / Q5_K the 6-bit min, Q6_K the scale). */
 typedef struct {
     __m256i wt;
     __m256 D, M, mnf;
 } fac8;
 
-AI void group_factors(const qm_matrix *m, int g, int n, const int KIND, fac8 *f) {
+AI void group_factors(const qm_matrix *m, const chunk_fac *cf, unsigned g, int t, const int KIND, fac8 *f) {
     if (KIND == KIND_PLAIN) {
         f->wt = _mm256_set1_epi16(1);
-        factors8_plain(m, g, n, &f->D, &f->M);
-    } else {
-        f->wt = sub_scales(m, g, n, KIND);
-        f->mnf = sub_mins(m, g, n, KIND);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->d + 32 * g + 8 * t)));
+        f->D = d; /* the same numbers as factors8 */
+        f->M = cf->m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->m + 32 * g + 8 * t)))
+                     : _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
+        return;
     }
+    const uint8_t *sc = cf->sc + 32 * g + 8 * t;
+    const __m256i b8 = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)sc));
+    if (KIND == KIND_KQ) { /* byte r into both int16 of element r; the scale is its low 6 bits */
+        const __m256i at = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5, -1, 5,
+                                            -1, 6, -1, 6, -1, 7, -1, 7, -1);
+        f->wt = _mm256_and_si256(_mm256_shuffle_epi8(b8, at), _mm256_set1_epi16(63));
+        /* the min: the byte's top 2 bits above the low nibble of its word */
+        const __m256i lo = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(cf->mn + 32 * (g / 8) + 8 * t)),
+                                            _mm_cvtsi32_si128((int)(4 * (g % 8))));
+        const __m256i top = _mm256_srli_epi32(_mm256_and_si256(_mm256_cvtepu8_epi32(_mm256_castsi256_si128(b8)), _mm256_set1_epi32(0xc0)), 2);
+        f->mnf = _mm256_cvtepi32_ps(_mm256_or_si256(top, _mm256_and_si256(lo, _mm256_set1_epi32(15))));
+        return;
+    }
+    const __m256i at = _mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5, -1, 5,
+                                        -1, 6, -1, 6, -1, 7, -1, 7); /* Q6_K: into the high bytes, then down */
+    f->wt = _mm256_srai_epi16(_mm256_shuffle_epi8(b8, at), 8);
+    f->mnf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm256_castsi256_si128(b8)));
 }
+
+/* The running sums of one row of x for 8 rows of W: y, and for the K-quants and Q6_K the
+ * super-block's fs, fm and (Q6_K) the int32 sums of a block of 32. */
+typedef struct {
+    __m256 y, fs, fm;
+    __m256i blk;
+} acc8;
 
 /* acc[b][t] element e = sum over the group's quads (tile at p) of q(row 16 h + 8 t + e) * qx,
  * each int16 pair weighted by wt[t], for the BB rows of x at qx[b * qs]. */
@@ -343,6 +348,8 @@ AI void group_sums_il(const uint8_t *p, const int8_t *qx, size_t qs, const int h
     for (int i0 = 0; i0 < NQ; i0 += QPI) { /* QPI divides NQ */
         __m256i s16[NB_MAX][2];
         for (int b = 0; b < BB; b++) s16[b][0] = s16[b][1] = _mm256_setzero_si256();
+        /* unrolled whole, GCC hoists every quad's loads and unpacking ahead and spills them */
+#pragma GCC unroll 2
         for (int i = i0; i < i0 + QPI; i++) {
             __m256i W[2];
             load_half_il(p + (size_t)i * (16 * BITS), h, BITS, W);
@@ -357,8 +364,9 @@ AI void group_sums_il(const uint8_t *p, const int8_t *qx, size_t qs, const int h
     }
 }
 
-/* One row of x's float update by group g's int32 sums (the same operations on every path). */
-AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, const int KIND, int block_end) {
+/* One row of x's float update by a group's int32 sums (the same operations on every path).
+ * Q6_K: `first` is the first group of a block of 32, whose sums wait for the second's. */
+AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, const int KIND, int first) {
     if (KIND == KIND_PLAIN) {
         s->y = flush(s->y, f->D, f->M, dx, xs, acc);
         return;
@@ -366,12 +374,10 @@ AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, co
     s->fm = _mm256_fmadd_ps(f->mnf, _mm256_set1_ps(xs), s->fm);
     if (KIND == KIND_KQ) { /* a group is a block of 32 */
         s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dx), s->fs);
-        return;
-    }
-    s->blk = _mm256_add_epi32(s->blk, acc);
-    if (block_end) {
-        s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s->blk), _mm256_set1_ps(dx), s->fs);
-        s->blk = _mm256_setzero_si256();
+    } else if (first) {
+        s->blk = acc;
+    } else {
+        s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s->blk, acc)), _mm256_set1_ps(dx), s->fs);
     }
 }
 
@@ -382,136 +388,107 @@ AI void superblock_update(acc8 *s, __m256 d, __m256 dmin, const int KIND) {
     s->fs = s->fm = _mm256_setzero_ps();
 }
 
-/* Half h (rows n .. n + 15) of the chunk at `chunk`, rows b0 .. b0 + BB - 1 of x (BB <= NB_MAX),
- * groups [g0, g1), with every row's sums in registers; y of those rows written to ybuf. */
-AI void half_rows(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0, const int BB,
-                  int g0, int g1, float *ybuf, const int BITS, const int KIND, int pf) {
-    const int GROUP = BITS == 6 ? 16 : 32, PER_SB = 256 / GROUP;
-    const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS);
-    acc8 s[NB_MAX][2];
-    for (int b = 0; b < BB; b++)
+/* Half h (rows n .. n + 15) of the chunk at `chunk` over all of K, for rows [b0, b0 + BB) of x
+ * (BB <= NB_MAX: their sums in registers), or with `s` for every row of x (groups outer, the
+ * rows' sums in s, each group's factors computed once for all of them); y written to ybuf.
+ * Interleaved x: row b's qx of group g at qx + b * qs + GROUP g (every column has its slot). */
+AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0, const int BB,
+                  acc8 (*big)[2], float *ybuf, const int BITS, const int KIND, int pf) {
+    const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP;
+    const unsigned G = (unsigned)m->k / GROUP, B = (unsigned)a->batch, NR = big ? B : (unsigned)BB;
+    const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS), qs = a->qx_stride;
+    const chunk_fac cf = chunk_factors(m, n);
+    acc8 reg[NB_MAX][2], (*s)[2] = big ? big : reg;
+    for (unsigned b = 0; b < NR; b++)
         for (int t = 0; t < 2; t++) {
             s[b][t].y = s[b][t].fs = s[b][t].fm = _mm256_setzero_ps();
             s[b][t].blk = _mm256_setzero_si256();
         }
-    for (int g = g0; g < g1; g++) {
-        const uint8_t *p = chunk + (size_t)g * tile_bytes;
-        if (pf) /* the tile's lines, once, ahead of the stream */
-            for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
-        fac8 f[2];
-        for (int t = 0; t < 2; t++) group_factors(m, g, n + 8 * t, KIND, &f[t]);
-        __m256i acc[NB_MAX][2];
-        group_sums_il(p, a->qx + a->goff[g] + (size_t)b0 * a->qx_stride, a->qx_stride, h, BB, BITS, f, acc);
-        const int qb = g * GROUP / QM_QBLOCK, block_end = KIND != KIND_Q6 || g % 2 == 1 || g == g1 - 1;
-        for (int b = 0; b < BB; b++)
-            for (int t = 0; t < 2; t++)
-                group_update(&s[b][t], &f[t], acc[b][t], a->dx[(size_t)(b0 + b) * a->dx_stride + qb],
-                             a->xs[(size_t)g * a->batch + b0 + b], KIND, block_end);
-        if (KIND != KIND_PLAIN && (g == g1 - 1 || (g + 1) % PER_SB == 0)) {
-            const size_t at = qm_fat(m, (size_t)(g / PER_SB), (size_t)(m->k / 256), n);
-            for (int t = 0; t < 2; t++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + at + 8 * t)));
-                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + at + 8 * t)))
-                                                    : _mm256_setzero_ps();
-                for (int b = 0; b < BB; b++) superblock_update(&s[b][t], d, dmin, KIND);
-            }
-        }
-    }
-    for (int b = 0; b < BB; b++)
-        for (int t = 0; t < 2; t++) _mm256_storeu_ps(ybuf + (size_t)(b0 + b) * m->npad + n + 8 * t, s[b][t].y);
-}
-
-/* The same for every row of x at once (more than NB_MAX): groups outer, the rows' sums in L1,
- * each group's factors computed once for all of them. */
-AI void half_all_rows(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int g0, int g1,
-                      float *ybuf, acc8 (*s)[2], const int BITS, const int KIND, int pf) {
-    const int GROUP = BITS == 6 ? 16 : 32, PER_SB = 256 / GROUP, B = a->batch;
-    const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS);
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < 2; t++) {
-            s[b][t].y = s[b][t].fs = s[b][t].fm = _mm256_setzero_ps();
-            s[b][t].blk = _mm256_setzero_si256();
-        }
-    for (int g = g0; g < g1; g++) {
-        const uint8_t *p = chunk + (size_t)g * tile_bytes;
-        if (pf)
-            for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
-        fac8 f[2];
-        for (int t = 0; t < 2; t++) group_factors(m, g, n + 8 * t, KIND, &f[t]);
-        const int qb = g * GROUP / QM_QBLOCK, block_end = KIND != KIND_Q6 || g % 2 == 1 || g == g1 - 1;
-        const int8_t *qx = a->qx + a->goff[g];
-        for (int b0 = 0; b0 < B; b0 += NB_MAX) {
-            __m256i acc[NB_MAX][2];
-            const int BB = B - b0 < NB_MAX ? B - b0 : NB_MAX;
+    for (unsigned sb = 0; sb < G / PER_SB; sb++) {
+        for (unsigned j = 0; j < PER_SB; j++) {
+            const unsigned g = sb * PER_SB + j, qb = g * GROUP / QM_QBLOCK;
+            const uint8_t *p = chunk + (size_t)g * tile_bytes;
+            if (pf) /* the tile's lines, once, ahead of the stream */
+                for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
+            fac8 f[2];
+            for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
+            const int8_t *qx = a->qx + (size_t)g * GROUP;
+            for (unsigned c0 = big ? 0 : (unsigned)b0; c0 < (big ? B : (unsigned)b0 + 1); c0 += NB_MAX) {
+                const unsigned rows = big ? (B - c0 < NB_MAX ? B - c0 : NB_MAX) : (unsigned)BB, r0 = big ? c0 : 0;
+                __m256i acc[NB_MAX][2];
 #define PASS_ROWS(BB_)                                                                                          \
     do {                                                                                                        \
-        group_sums_il(p, qx + (size_t)b0 * a->qx_stride, a->qx_stride, h, BB_, BITS, f, acc);                   \
+        group_sums_il(p, qx + (size_t)c0 * qs, qs, h, BB_, BITS, f, acc);                                       \
         for (int b = 0; b < BB_; b++)                                                                           \
             for (int t = 0; t < 2; t++)                                                                         \
-                group_update(&s[b0 + b][t], &f[t], acc[b][t], a->dx[(size_t)(b0 + b) * a->dx_stride + qb],      \
-                             a->xs[(size_t)g * B + b0 + b], KIND, block_end);                                   \
+                group_update(&s[r0 + b][t], &f[t], acc[b][t], a->dx[(size_t)(c0 + b) * a->dx_stride + qb],      \
+                             a->xs[(size_t)g * B + c0 + b], KIND, j % 2 == 0);                                  \
     } while (0)
-            switch (BB) {
-            case 1: PASS_ROWS(1); break;
-            case 2: PASS_ROWS(2); break;
-            case 3: PASS_ROWS(3); break;
-            default: PASS_ROWS(4); break;
-            }
+                if (!big) PASS_ROWS(BB);
+                else switch (rows) {
+                    case 1: PASS_ROWS(1); break;
+                    case 2: PASS_ROWS(2); break;
+                    case 3: PASS_ROWS(3); break;
+                    default: PASS_ROWS(4); break;
+                    }
 #undef PASS_ROWS
-        }
-        if (KIND != KIND_PLAIN && (g == g1 - 1 || (g + 1) % PER_SB == 0)) {
-            const size_t at = qm_fat(m, (size_t)(g / PER_SB), (size_t)(m->k / 256), n);
-            for (int t = 0; t < 2; t++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + at + 8 * t)));
-                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + at + 8 * t)))
-                                                    : _mm256_setzero_ps();
-                for (int b = 0; b < B; b++) superblock_update(&s[b][t], d, dmin, KIND);
             }
         }
+        if (KIND != KIND_PLAIN)
+            for (int t = 0; t < 2; t++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.d + 32 * sb + 8 * t)));
+                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.m + 32 * sb + 8 * t)))
+                                                    : _mm256_setzero_ps();
+                for (unsigned b = 0; b < NR; b++) superblock_update(&s[b][t], d, dmin, KIND);
+            }
     }
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < 2; t++) _mm256_storeu_ps(ybuf + (size_t)b * m->npad + n + 8 * t, s[b][t].y);
+    for (unsigned b = 0; b < NR; b++)
+        for (int t = 0; t < 2; t++)
+            _mm256_storeu_ps(ybuf + (size_t)((big ? 0 : b0) + b) * m->npad + n + 8 * t, s[b][t].y);
 }
 
-AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
-                  const int KIND) {
+/* Rows [row0, row1) of W over all of its groups (calls are split by rows: g0 = 0, g1 = K / group). */
+AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS, const int KIND) {
     const int B = a->batch;
     const int pf0 = si4_prefetch_ahead * BITS / 4 * 4;
-    acc8 (*s)[2] = NULL; /* prefill: every row's sums */
-    if (B > SI4_MAX_BATCH && !(s = aligned_alloc(32, sizeof(acc8) * 2 * (size_t)B))) return;
+    acc8 (*big)[2] = NULL; /* prefill: every row's sums */
+    if (B > SI4_MAX_BATCH && !(big = aligned_alloc(32, sizeof(acc8) * 2 * (size_t)B))) return;
     for (int row = row0; row < row1; row += 32) {
         const uint8_t *chunk = qm_tile(m, row / 32, 0);
-        for (int h = 0; h < 2; h++) {
-            const int n = row + 16 * h, pf = h == 0 ? pf0 : 0; /* each line once, ahead of the stream */
-            if (B > SI4_MAX_BATCH) {
-                half_all_rows(m, a, chunk, n, h, g0, g1, ybuf, s, BITS, KIND, pf);
-                continue;
-            }
-            for (int b0 = 0; b0 < B; b0 += NB_MAX) /* a decode step: passes of rows in registers */
-                switch (B - b0 < NB_MAX ? B - b0 : NB_MAX) {
-                case 1: half_rows(m, a, chunk, n, h, b0, 1, g0, g1, ybuf, BITS, KIND, b0 ? 0 : pf); break;
-                case 2: half_rows(m, a, chunk, n, h, b0, 2, g0, g1, ybuf, BITS, KIND, b0 ? 0 : pf); break;
-                case 3: half_rows(m, a, chunk, n, h, b0, 3, g0, g1, ybuf, BITS, KIND, b0 ? 0 : pf); break;
-                default: half_rows(m, a, chunk, n, h, b0, 4, g0, g1, ybuf, BITS, KIND, b0 ? 0 : pf); break;
-                }
-        }
+#define HALF(H)                                                                                                 \
+    do {                                                                                                        \
+        const int n = row + 16 * (H), pf = (H) == 0 ? pf0 : 0; /* each line once, ahead of the stream */        \
+        if (big) {                                                                                              \
+            half_pass(m, a, chunk, n, H, 0, 0, big, ybuf, BITS, KIND, pf);                                      \
+            break;                                                                                              \
+        }                                                                                                       \
+        for (int b0 = 0; b0 < B; b0 += NB_MAX) /* a decode step: passes of rows in registers */                 \
+            switch (B - b0 < NB_MAX ? B - b0 : NB_MAX) {                                                        \
+            case 1: half_pass(m, a, chunk, n, H, b0, 1, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;            \
+            case 2: half_pass(m, a, chunk, n, H, b0, 2, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;            \
+            case 3: half_pass(m, a, chunk, n, H, b0, 3, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;            \
+            default: half_pass(m, a, chunk, n, H, b0, 4, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;           \
+            }                                                                                                   \
+    } while (0)
+        HALF(0);
+        HALF(1);
+#undef HALF
     }
-    free(s);
+    free(big);
 }
 
 /* kernel_il with the matrix's factor kind as a compile-time constant. */
-AI void kernel_il_kinds(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf,
-                        const int BITS) {
-    if ((BITS == 4 || BITS == 5) && m->mn) kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS, KIND_KQ);
-    else if (BITS == 6) kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS, KIND_Q6);
-    else kernel_il(m, a, row0, row1, g0, g1, ybuf, BITS, KIND_PLAIN);
+AI void kernel_il_kinds(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS) {
+    if ((BITS == 4 || BITS == 5) && m->mn) kernel_il(m, a, row0, row1, ybuf, BITS, KIND_KQ);
+    else if (BITS == 6) kernel_il(m, a, row0, row1, ybuf, BITS, KIND_Q6);
+    else kernel_il(m, a, row0, row1, ybuf, BITS, KIND_PLAIN);
 }
 
 AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
               const int IL) {
     const int B = a->batch, cb = 4 * BITS;
-    if (IL) {
-        kernel_il_kinds(m, a, row0, row1, g0, g1, ybuf, BITS);
+    if (IL) { /* split by rows only (module.c) */
+        kernel_il_kinds(m, a, row0, row1, ybuf, BITS);
         return;
     }
     if (B > SI4_MAX_BATCH) {

@@ -18,6 +18,11 @@ int qm_code(const qm_matrix *m, int j, int n) {
     const uint8_t *chunk = il ? qm_tile(m, n / 32, j / m->group) + (size_t)((j % m->group) / 4) * (4 * cb)
                               : m->codes + (size_t)j * m->colstride + (size_t)(n / 32) * cb;
     if (bits == 8) return (int8_t)chunk[il ? 4 * r + t : 4 * (r / 8) + r % 4 + 16 * ((r % 8) / 4)];
+    if (bits == 6 && il) { /* rows 0..15 whole; 16..31 a nibble and the top bits of row r - 16's byte */
+        const int e = 4 * (r % 8) + t, whole = 32 * ((r / 8) % 2) + e;
+        if (r < 16) return chunk[whole] & 63;
+        return ((chunk[64 + e] >> (4 * ((r / 8) % 2))) & 15) | (chunk[whole] >> 6) << 4;
+    }
     int q = (chunk[mul * (8 * (r / 16) + r % 8) + t] >> (4 * ((r % 16) / 8))) & 15;
     if (bits == 5) q |= ((chunk[16 * mul + mul * (r % 4) + t] >> (2 * (r / 8) + (r % 8) / 4)) & 1) << 4;
     if (bits == 6) q |= ((chunk[16 * mul + mul * (r % 8) + t] >> (2 * (r / 8))) & 3) << 4;
@@ -220,11 +225,11 @@ void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group
                         for (int r = p; r < 32; r += 4) v |= ((R[r] >> 4) & 0x01010101u) << (2 * (r / 8) + (r % 8) / 4);
                         o[16 + p] = v;
                     }
-                else if (bits == 6) /* row 8 c + p: bits 2 c, 2 c + 1 of byte 16 + p */
-                    for (int p = 0; p < 8; p++) {
-                        uint32_t v = 0;
-                        for (int cc = 0; cc < 4; cc++) v |= ((R[8 * cc + p] >> 4) & 0x03030303u) << (2 * cc);
-                        o[16 + p] = v;
+                else if (bits == 6) /* rows 0..15 whole with the top bits of rows 16..31, their nibbles */
+                    for (int e = 0; e < 8; e++) {
+                        o[e] = (R[e] & 0x3F3F3F3Fu) | ((R[16 + e] >> 4) & 0x03030303u) << 6;
+                        o[8 + e] = (R[8 + e] & 0x3F3F3F3Fu) | ((R[24 + e] >> 4) & 0x03030303u) << 6;
+                        o[16 + e] = (R[16 + e] & 0x0F0F0F0Fu) | (R[24 + e] & 0x0F0F0F0Fu) << 4;
                     }
                 memcpy(out + (((size_t)c * G + g) * qpg + qi) * qb, o, (size_t)qb);
             }
