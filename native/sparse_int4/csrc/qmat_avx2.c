@@ -5,8 +5,13 @@
  * quantized activations broadcast into every element, vpmaddubsw + vpmaddwd give each row's
  * sum of four products in int32 (|q| <= 63 times |qx| <= 127: no int16 saturation; Q8_0's
  * signed codes take the sign of x instead, as |x| * sign(q, x)). The chunk layout (qlayout.py)
- * is chosen so that the byte interleave below yields rows in natural order. Per group, the
- * int32 sums are scaled by D * dx and M * dx * sum(qx) is added, in float32.
+ * is chosen so that the byte interleave below yields rows in natural order. Two kernels:
+ *
+ *   the column layout (sparse files: a column's run is skipped when its input is zeroed):
+ *     groups outer, per group the int32 sums scaled by D * dx and M * dx * sum(qx) added to y;
+ *   the interleaved layout (dense decoding, batches, prefill; the section below): a chunk of
+ *     32 rows over all of K in one run, each row's sums in registers, sub-block scales applied
+ *     in the integer widening.
  *
  * Compiled with -mavx2 -mfma -mf16c (setup.py); called only on CPUs that have them. */
 #include <immintrin.h>
@@ -159,14 +164,13 @@ AI void mac_quad(const __m256i *W, const int NV, __m256i xq, const int BITS, __m
 /* The int32 sums of group g over the chunk at `row`, batch rows b0 .. b0 + BB - 1:
  * acc[b][v] element e = sum over the group's slots of q (row + 8v + e) * qx (b0 + b). */
 AI void group_sums(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS,
-                   const int IL, int prefetch, __m256i acc[PASS][4]) {
+                   int prefetch, __m256i acc[PASS][4]) {
     const size_t choff = (size_t)(row / 32) * (4 * BITS), stride = m->colstride;
     const int s0 = a->goff[g], s1 = a->goff[g + 1];
     const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < BB; b++)
         for (int v = 0; v < 4; v++) acc[b][v] = _mm256_setzero_si256();
-    const int pf = prefetch ? si4_prefetch_ahead * BITS / 4 * (IL ? 4 : 1) : 0;
-    const uint8_t *tile = qm_tile(m, row / 32, g);
+    const int pf = prefetch ? si4_prefetch_ahead * BITS / 4 : 0;
     for (int i0 = s0; i0 < s1; i0 += 4 * QUADS_PER_I16(BITS)) {
         const int i1 = i0 + 4 * QUADS_PER_I16(BITS) < s1 ? i0 + 4 * QUADS_PER_I16(BITS) : s1;
         __m256i acc16[PASS][4];
@@ -174,17 +178,11 @@ AI void group_sums(const qm_matrix *m, const qm_acts *a, int g, int row, int b0,
             for (int v = 0; v < 4; v++) acc16[b][v] = _mm256_setzero_si256();
         for (int i = i0; i < i1; i += 4) {
             __m256i W[4];
-            if (IL) { /* the tile (chunk, group) of the group's quads */
-                const uint8_t *p = tile + (size_t)(i - s0) / 4 * (16 * BITS);
-                if (pf) __builtin_prefetch(p + pf, 0, 3);
-                load_quad_il(p, BITS, W);
-            } else {
-                const uint8_t *p[4];
-                for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)a->cols[i + t] * stride + choff;
-                if (pf)
-                    for (int t = 0; t < 4; t++) __builtin_prefetch(p[t] + pf, 0, 3);
-                load_quad(p, BITS, W);
-            }
+            const uint8_t *p[4];
+            for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)a->cols[i + t] * stride + choff;
+            if (pf)
+                for (int t = 0; t < 4; t++) __builtin_prefetch(p[t] + pf, 0, 3);
+            load_quad(p, BITS, W);
             for (int b = 0; b < BB; b++) {
                 int32_t q4;
                 memcpy(&q4, a->qx + (size_t)(b0 + b) * a->qx_stride + i, 4);
@@ -203,10 +201,10 @@ AI __m256 flush(__m256 y, __m256 D, __m256 M, float dx, float xs, __m256i acc) {
 }
 
 /* One pass: batch rows b0 .. b0 + BB - 1 over the chunk at `row` of group g, into ybuf. */
-AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS, const int IL,
-             int prefetch, float *ybuf) {
+AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS, int prefetch,
+             float *ybuf) {
     __m256i acc[PASS][4];
-    group_sums(m, a, g, row, b0, BB, BITS, IL, prefetch, acc);
+    group_sums(m, a, g, row, b0, BB, BITS, prefetch, acc);
     const int qb = g * m->group / QM_QBLOCK, B = a->batch;
     for (int v = 0; v < 4; v++) {
         __m256 D, M;
@@ -223,8 +221,7 @@ AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const
  * of x summing in registers: the chunk's codes of all groups (K / 2 bytes at 4 bits) stay in
  * L1/L2 for every pass, and y is written once (the group-outer loop would read and write all
  * of y once per group). */
-AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
-             const int IL) {
+AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS) {
     const int B = a->batch, G = g1 - g0;
     __m256 *dm = aligned_alloc(32, sizeof(__m256) * 8 * (size_t)(G > 0 ? G : 1)); /* (group, v, D|M) */
     if (!dm) return;
@@ -240,8 +237,8 @@ AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, i
                 if (a->goff[g] == a->goff[g + 1]) continue;
                 __m256i acc[PASS][4];
                 const int qb = g * m->group / QM_QBLOCK;
-                if (BB == 2) group_sums(m, a, g, row, b0, 2, BITS, IL, 0, acc);
-                else group_sums(m, a, g, row, b0, 1, BITS, IL, 0, acc);
+                if (BB == 2) group_sums(m, a, g, row, b0, 2, BITS, 0, acc);
+                else group_sums(m, a, g, row, b0, 1, BITS, 0, acc);
                 for (int b = 0; b < BB; b++)
                     for (int v = 0; v < 4; v++)
                         y[b][v] = flush(y[b][v], dm[((g - g0) * 4 + v) * 2], dm[((g - g0) * 4 + v) * 2 + 1],
@@ -492,7 +489,7 @@ AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0,
         return;
     }
     if (B > SI4_MAX_BATCH) {
-        wide(m, a, row0, row1, g0, g1, ybuf, BITS, IL);
+        wide(m, a, row0, row1, g0, g1, ybuf, BITS);
         return;
     }
     for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
@@ -500,10 +497,10 @@ AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0,
         if (a->goff[g] == a->goff[g + 1]) continue; /* nothing kept: nothing read */
         for (int row = row0; row < row1; row += 32) {
             /* prefetch once per cache line of each column's run, on the first pass */
-            const int line = IL || (int)(((size_t)(row / 32) * cb) % 64) < cb;
+            const int line = (int)(((size_t)(row / 32) * cb) % 64) < cb;
             for (int b0 = 0; b0 < B; b0 += PASS) {
-                if (B - b0 >= 2) pass(m, a, g, row, b0, 2, BITS, IL, line && !b0, ybuf);
-                else pass(m, a, g, row, b0, 1, BITS, IL, line && !b0, ybuf);
+                if (B - b0 >= 2) pass(m, a, g, row, b0, 2, BITS, line && !b0, ybuf);
+                else pass(m, a, g, row, b0, 1, BITS, line && !b0, ybuf);
             }
         }
     }
