@@ -7,9 +7,11 @@ the draft's k_max passes. Both costs are modelled as t(M) = c + s * M for a pass
 tokens (fixed cost: weights read once and per-pass overhead; s: per-token compute) and
 fitted by least squares over the last steps. The target has two fits: steps where every
 sequence decodes one token ("plain": on a CPU the native one-call decode path, several times
-cheaper than the torch layers that verify drafts), and all other steps (drafts, prefill);
-not drafting is priced with the first, drafting with the second. Until four plain steps are
-measured, not drafting is priced with the second fit too. Each step the controller picks, among "the m
+cheaper than the torch layers that verify drafts), and steps that check drafts (a step with
+a prompt in it is not observed: per token it costs what neither does); not drafting is priced
+with the first, drafting with the second. Both start from a prior shape (`PER_TOKEN_PRIOR` of
+the device) scaled to the first step measured. Until four plain steps are measured, not
+drafting is priced with the second fit too. Each step the controller picks, among "the m
 sequences with the best acceptance draft k tokens, the others none", the choice with the most
 tokens per second, so a sequence whose drafts are mostly wrong stops drafting, and a large
 batch (where the target's pass is no longer cheap per extra token) drafts less or not at all.
@@ -77,16 +79,28 @@ def expected_tokens(k: int, rate: float) -> float:
     return (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
 
+# The prior cost of one more token in a step, relative to the step's fixed cost: on a GPU a
+# step reads the weights once for every token it checks (a few tokens cost next to nothing);
+# on a CPU a step is bound by arithmetic and each checked token costs a good part of a step
+# (measured on two cores: checking 4 tokens of the 1.5B Q4_K_M took two steps' time).
+PER_TOKEN_PRIOR = {"cuda": 0.02, "cpu": 0.4}
+
+
 class DraftLength:
     """Chooses k per sequence. ``fixed`` pins k (no adaptation); ``draft_ratio`` is the prior
-    draft/target cost ratio of a forward pass (the weight bytes ratio is a fair guess)."""
+    draft/target cost ratio of a forward pass (the weight bytes ratio is a fair guess);
+    ``per_token`` the prior cost of one more token in a step (`PER_TOKEN_PRIOR` of the device).
+    With the CPU's prior a draft model is not tried at the prior acceptance: its first try
+    (the draft catching up with the whole prompt) would cost more than drafting could win."""
 
-    def __init__(self, k_max: int = 8, fixed: int | None = None, draft_ratio: float = 0.25) -> None:
+    def __init__(self, k_max: int = 8, fixed: int | None = None, draft_ratio: float = 0.25,
+                 per_token: float = PER_TOKEN_PRIOR["cuda"]) -> None:
         self.k_max = fixed if fixed is not None else k_max
         self.fixed = fixed
-        self.target = LinearCost(fixed=1.0, per_token=0.02)  # steps with drafts or prefill
-        self.plain = LinearCost(fixed=1.0, per_token=0.02)  # steps of one-token decodes only
+        self.target = LinearCost(fixed=1.0, per_token=per_token)  # steps with drafts or prefill
+        self.plain = LinearCost(fixed=1.0, per_token=per_token)  # steps of one-token decodes only
         self.draft = LinearCost(fixed=draft_ratio, per_token=0.02 * draft_ratio)
+        self._anchored = False  # the priors scaled to the first measured step
         self._acc: dict[int, _Acceptance] = {}
 
     def rate(self, seq_id: int) -> float:
@@ -94,15 +108,17 @@ class DraftLength:
 
     def observe_target(self, tokens: int, seconds: float, plain: bool = False) -> None:
         """A target step over ``tokens`` tokens took ``seconds``; ``plain``: every sequence of
-        the step decoded one token (no drafts, no prefill)."""
+        the step decoded one token (no drafts, no prefill); otherwise a step that checked drafts."""
+        if not self.target.history and not self.draft.history and not self._anchored:
+            # the priors are relative to the first step measured: keep them so in seconds
+            scale = seconds / self.target(tokens)
+            for cost in (self.target, self.draft):
+                cost.fixed *= scale
+                cost.per_token *= scale
+            self._anchored = True
         if plain:
             self.plain.observe(tokens, seconds)
             return
-        if not self.target.history and not self.draft.history:
-            # the draft's prior is relative to the target's: keep it so in seconds
-            scale = seconds / self.target(tokens)
-            self.draft.fixed *= scale
-            self.draft.per_token *= scale
         self.target.observe(tokens, seconds)
 
     def _plain_cost(self, batch: int) -> float:

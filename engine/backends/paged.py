@@ -38,7 +38,7 @@ from ..plan import Plan
 from ..sampling import make_generator, sample_batch, token_logprobs
 from ..scheduler import RequestTooLargeError, Scheduler
 from ..sequence import Sequence
-from ..spec_control import DraftLength
+from ..spec_control import PER_TOKEN_PRIOR, DraftLength
 from ..speculative import verify
 from ..stats import StatsRecorder
 from ..step_masks import StepMasks
@@ -95,7 +95,8 @@ class PagedBackend:
         ratio = 0.0
         if isinstance(drafter, DraftModel):
             ratio = drafter.runner.model.weight_bytes() / max(1, runner.model.weight_bytes())
-        self.draft_length = DraftLength(fixed=draft_k, draft_ratio=ratio) if drafter is not None else None
+        per_token = PER_TOKEN_PRIOR["cpu" if runner.device.type == "cpu" else "cuda"]
+        self.draft_length = DraftLength(fixed=draft_k, draft_ratio=ratio, per_token=per_token) if drafter is not None else None
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self.device = str(runner.device)
@@ -282,14 +283,17 @@ class PagedBackend:
             for s in out.items
         ]
         masks = self._masks.start(items) if self._masks is not None else None
+        # the draft-length controller prices one-token steps and steps that check drafts; a
+        # step with a prompt in it costs per token what neither does, and is not observed
+        plain = all(s.num_tokens == 1 and s.start > 0 for s in out.items)
+        checks = not plain and all(s.start > 0 and s.num_tokens == 1 + s.seq.num_draft_tokens for s in out.items)
         t0 = time.perf_counter()
         logits, sampled_items = self.runner.execute(items)
         raw = self._logprob_rows(logits, sampled_items)  # before the masks: the model's own distribution
         if masks is not None:
             StepMasks.apply(logits, sampled_items, masks.result())
         new_tokens = self._sample(logits, sampled_items)
-        if self.draft_length is not None:
-            plain = all(s.num_tokens == 1 and s.start > 0 for s in out.items)
+        if self.draft_length is not None and (plain or checks):
             self.draft_length.observe_target(out.num_batched_tokens, time.perf_counter() - t0, plain)
         sampled: dict[int, int] = {}
         accepted: dict[int, int] = {}

@@ -53,3 +53,22 @@ def test_drafting_stops_when_plain_steps_are_much_cheaper_than_verifying_ones() 
     assert set(_ngram_controller(0.010).choose(list(range(8)), 8, room).values()) == {0}
     # priced like the verifying steps (the torch layers for both), the same drafts pay
     assert max(_ngram_controller(0.036).choose(list(range(8)), 8, room).values()) >= 1
+
+
+def test_on_a_cpu_a_draft_model_is_not_tried_at_the_prior_acceptance() -> None:
+    """A CPU step is bound by arithmetic: each checked token costs a good part of a step, so a
+    draft model of 0.4 of the target's bytes cannot pay at the prior acceptance, and its first
+    try (catching up with the whole prompt) is not made. On a GPU the same draft is tried; on
+    the CPU a free drafter (n-gram lookup) still is."""
+    from llmlocal.engine.spec_control import PER_TOKEN_PRIOR
+
+    room = {7: 100}
+    cpu = DraftLength(draft_ratio=0.4, per_token=PER_TOKEN_PRIOR["cpu"])
+    cpu.observe_target(1, 0.070, plain=True)
+    assert cpu.choose([7], 1, room) == {7: 0}
+    gpu = DraftLength(draft_ratio=0.4, per_token=PER_TOKEN_PRIOR["cuda"])
+    gpu.observe_target(1, 0.070, plain=True)
+    assert gpu.choose([7], 1, room)[7] >= 1
+    ngram = DraftLength(draft_ratio=0.0, per_token=PER_TOKEN_PRIOR["cpu"])
+    ngram.observe_target(1, 0.070, plain=True)
+    assert ngram.choose([7], 1, room)[7] >= 1
