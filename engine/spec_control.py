@@ -81,9 +81,9 @@ def expected_tokens(k: int, rate: float) -> float:
 
 # The prior cost of one more token in a step, relative to the step's fixed cost: on a GPU a
 # step reads the weights once for every token it checks (a few tokens cost next to nothing);
-# on a CPU a step is bound by arithmetic and each checked token costs a good part of a step
-# (measured on two cores: checking 4 tokens of the 1.5B Q4_K_M took two steps' time).
-PER_TOKEN_PRIOR = {"cuda": 0.02, "cpu": 0.4}
+# on a CPU a step is bound by arithmetic and each checked token costs about half a one-token
+# step (0.8 / 1.8; measured on two cores: 4 tokens of the 1.5B Q4_K_M checked in 2-2.6 steps).
+PER_TOKEN_PRIOR = {"cuda": 0.02, "cpu": 0.8}
 
 
 class DraftLength:
