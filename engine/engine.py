@@ -29,6 +29,7 @@ from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 from .backends.base import Backend
 from .chat_template import ChatTemplate, fallback_template, template_source
 from .grammar import check_grammar
+from .tokenizer import start_tokenizer
 from .plan import DEFAULT_MAX_CTX, Plan
 from .types import Event, Message, Request
 
@@ -74,14 +75,14 @@ class Engine:
             from .backends.llamacpp import LlamaCppBackend
 
             backend: Backend = LlamaCppBackend.load(model, plan)
-        elif backend_name == "paged":
-            from .backends.paged import PagedBackend
-
-            backend = PagedBackend.load(model, plan)
-        elif backend_name == "sparse":
-            from .backends.sparse import SparseBackend
-
-            backend = SparseBackend.load(model, plan)
+        elif backend_name in ("paged", "sparse"):
+            # our engines tokenize themselves: the vocabulary loads while torch is imported
+            tokenizer = start_tokenizer(model.path, model.spec.format == "gguf")
+            if backend_name == "paged":
+                from .backends.paged import PagedBackend as Ours
+            else:
+                from .backends.sparse import SparseBackend as Ours
+            backend = Ours.load(model, plan, tokenizer=tokenizer)
         else:  # Plan validates the name; a new backend must be wired in here.
             raise LLMLocalError(f"The backend '{backend_name}' is not available in this build.")
         return cls(backend, model, plan.replace(backend=backend_name))

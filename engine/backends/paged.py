@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +43,7 @@ from ..spec_control import PER_TOKEN_PRIOR, DraftLength
 from ..speculative import verify
 from ..stats import StatsRecorder
 from ..step_masks import StepMasks
-from ..tokenizer import HFTokenizer, LlamaCppTokenizer, Tokenizer
+from ..tokenizer import Tokenizer, start_tokenizer
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 from .paged_setup import check_same_vocabulary, load_draft, pick_device, pick_dtype, pick_kv_dtype
 
@@ -120,9 +121,11 @@ class PagedBackend:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None) -> PagedBackend:
+    def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None,
+             tokenizer: Future[Tokenizer] | None = None) -> PagedBackend:
         """Load ``model`` as the plan says; ``drafter`` overrides the plan's ``draft`` (a
-        drafter of the caller's own, e.g. to test verification with known proposals)."""
+        drafter of the caller's own, e.g. to test verification with known proposals);
+        ``tokenizer``: the model's tokenizer already loading (`start_tokenizer`)."""
         device = pick_device(plan)
         dtype = pick_dtype(plan, device)
         spec = model.spec
@@ -131,8 +134,9 @@ class PagedBackend:
             torch.set_num_threads(plan.threads)
             if sparse_int4_runtime.built():  # the native kernels' pool (process-wide, as torch's)
                 sparse_int4_runtime.set_num_threads(plan.threads)
+        pending = tokenizer or start_tokenizer(model.path, spec.format == "gguf")  # loads beside the weights
         net = cls._load_net(model, plan, device, dtype, n_ctx)
-        tokenizer: Tokenizer = LlamaCppTokenizer(model.path) if spec.format == "gguf" else HFTokenizer(model.path)
+        vocab = pending.result()
         block_size = plan.block_size
         # Default pool: every batch slot can hold a full context window... capped at 4 windows
         # (the planner will size this from free memory).
@@ -151,7 +155,7 @@ class PagedBackend:
             draft_runner = ModelRunner(load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=kv_dtype)
             FastDecode.attach(draft_runner)
             drafter = DraftModel(draft_runner)
-        return cls(runner, tokenizer, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)
+        return cls(runner, vocab, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)
 
     @classmethod
     def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from concurrent.futures import Future
 
 import torch
 from llmlocal.models import ResolvedModel
@@ -33,6 +34,7 @@ from ..model.fast_decode import FastDecode, native_quant
 from ..model.sparse_linear import SparseInt4Projection, SparseProjection, ThresholdedLinear
 from ..model.sparsity import projection_modules
 from ..plan import Plan
+from ..tokenizer import Tokenizer
 from ..types import Request
 from .paged import PagedBackend, _Stream
 
@@ -42,7 +44,8 @@ class SparseBackend(PagedBackend):
     _stack: FastDecode | None = None
 
     @classmethod
-    def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None) -> SparseBackend:
+    def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None,
+             tokenizer: Future[Tokenizer] | None = None) -> SparseBackend:
         spec = model.spec
         if spec.format != "gguf":
             raise LLMLocalError(
@@ -60,7 +63,7 @@ class SparseBackend(PagedBackend):
         sparse_int4.kernels()  # a clear error now if the extension was not built
         threads = plan.threads or sparse_int4.runtime.default_threads()
         sparse_int4.set_num_threads(threads)
-        backend = super().load(model, plan.replace(device="cpu", dtype="fp32"), drafter)
+        backend = super().load(model, plan.replace(device="cpu", dtype="fp32"), drafter, tokenizer)
         assert isinstance(backend, SparseBackend)
         backend.model_spec = spec
         backend._stack = FastDecode.attach(backend.runner)

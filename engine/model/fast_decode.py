@@ -25,7 +25,7 @@ from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.sparse_int4 import kernels
 from llmlocal.native.sparse_int4.linear import QuantLinear
-from llmlocal.native.sparse_int4.qlayout import QuantCodes
+from llmlocal.native.sparse_int4.qlayout import QuantCodes, QuantRows
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..model_runner import ModelRunner
@@ -66,7 +66,7 @@ def native_quant(device: torch.device, dtype: torch.dtype, spec: ModelSpec, spar
     if mode not in ("int8", "fp32"):
         raise LLMLocalError(f"LLMLOCAL_NATIVE_ACTIVATIONS must be int8 or fp32, not {mode!r}.")
 
-    def build(parts: list[QuantCodes], bias: torch.Tensor | None) -> QuantProjection | None:
+    def build(parts: list[QuantRows], bias: torch.Tensor | None) -> QuantProjection | None:
         if mode == "fp32" and all(p.qtype in INT4_TYPES for p in parts):
             return None  # the INT4 factory takes them
         return QuantProjection(parts, bias, interleaved=not sparse)

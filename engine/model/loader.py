@@ -25,7 +25,7 @@ from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
 from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, gguf_to_hf_name, permute_qk, text_tensor_name
 from llmlocal.native.sparse_int4.qlayout import FORMATS as QUANT_FORMATS
-from llmlocal.native.sparse_int4.qlayout import QuantCodes, decode
+from llmlocal.native.sparse_int4.qlayout import QuantRows
 
 from .config import ModelConfig, config_from_hf, config_from_spec
 
@@ -45,7 +45,7 @@ class _Part:
     int4: Callable[[], Int4Codes] | None
     dense: Callable[[], np.ndarray]  # (N, K) float32, materialized on demand
     bias: np.ndarray | None = None
-    quant: Callable[[], QuantCodes] | None = None  # a GGUF type the native kernels read in its own bytes
+    quant: Callable[[], QuantRows] | None = None  # a GGUF type the native kernels read in its own bytes
 
 
 def quantize_int4(w: np.ndarray, group: int = 32) -> Int4Codes:
@@ -63,7 +63,7 @@ def quantize_int4(w: np.ndarray, group: int = 32) -> Int4Codes:
 Int4Factory = Callable[[Int4Codes, "torch.Tensor | None"], nn.Module]
 # Builds the layer for GGUF quantized parts in their own bytes (the native CPU path), or returns
 # None to leave them to the INT4 / dense paths.
-QuantFactory = Callable[[list[QuantCodes], "torch.Tensor | None"], "nn.Module | None"]
+QuantFactory = Callable[[list[QuantRows], "torch.Tensor | None"], "nn.Module | None"]
 
 
 def _fuse(
@@ -236,7 +236,7 @@ def load_gguf(
             q = None
             fmt = QUANT_FORMATS.get(info.ggml_type)
             if quant is not None and fmt is not None and info.shape[0] % fmt.dgroup == 0:
-                q = lambda: _fix_rows(decode(t.raw(name), info.ggml_type), fix)  # noqa: E731
+                q = lambda: _file_rows(t.raw(name), info.ggml_type, fix)  # noqa: E731
             return _Part(int4, lambda: fix(t.float32(name)), bias, q)
 
         def vec(self, name: str, fix: RowFix = _same) -> torch.Tensor:
@@ -285,10 +285,12 @@ def load_gguf(
     return model
 
 
-def _fix_rows(c: QuantCodes, fix: Callable[[np.ndarray], np.ndarray]) -> QuantCodes:
-    """The same row permutation on the codes and every per-row factor array."""
-    opt = lambda a: None if a is None else np.ascontiguousarray(fix(a))  # noqa: E731
-    return QuantCodes(c.qtype, np.ascontiguousarray(fix(c.codes)), np.ascontiguousarray(fix(c.d)), opt(c.m), opt(c.sc), opt(c.mn))
+def _file_rows(raw: np.ndarray, qtype: int, fix: RowFix) -> QuantRows:
+    """A tensor's rows in the file, in the order ``fix`` puts them (a row permutation, applied
+    to the row indices: nothing is decoded or copied here)."""
+    if fix is _same:
+        return QuantRows(qtype, raw)
+    return QuantRows(qtype, raw, fix(np.arange(raw.shape[0])))
 
 
 def load_hf(

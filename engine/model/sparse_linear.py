@@ -19,7 +19,7 @@ import time
 import torch
 from llmlocal.native.sparse_int4 import Int8RowsLinear, SparseInt4Linear
 from llmlocal.native.sparse_int4.linear import QuantLinear
-from llmlocal.native.sparse_int4.qlayout import QuantCodes
+from llmlocal.native.sparse_int4.qlayout import QuantCodes, QuantRows
 from torch import nn
 
 from .gguf_tensors import Int4Codes
@@ -99,7 +99,7 @@ class QuantProjection(SparseInt4Projection):
     the int8-activation kernels (`QuantLinear`); parts stacked by rows (fused q/k/v, gate/up).
     `interleaved` (dense decoding) stores columns in quads: faster, but no column is skipped."""
 
-    def __init__(self, parts: list[QuantCodes], bias: torch.Tensor | None = None, interleaved: bool = False) -> None:
+    def __init__(self, parts: list[QuantCodes | QuantRows], bias: torch.Tensor | None = None, interleaved: bool = False) -> None:
         _Counted.__init__(self)
         self.kernel = QuantLinear(parts, interleaved)  # type: ignore[assignment]
         self.in_features, self.out_features = self.kernel.in_features, self.kernel.out_features

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .layout import PackedInt4, ScaleDtype, pack_int4
-from .qlayout import PackedQuant, QuantCodes, pack
+from .qlayout import PackedQuant, QuantCodes, QuantRows, pack, pack_rows
 from .runtime import kernels
 
 MAX_BATCH = 8
@@ -167,6 +167,16 @@ class SparseInt4Linear:
 QM_MAX_BATCH = 64  # rows of x per QMatrix call (csrc/qmat.h)
 
 
+def _pack(parts: list[QuantCodes | QuantRows], interleaved: bool) -> PackedQuant:
+    """One matrix of stacked parts of one type: the file's rows packed in one pass where they can be."""
+    if interleaved and all(isinstance(p, QuantRows) for p in parts):
+        packed = pack_rows(parts)  # type: ignore[arg-type]
+        if packed is not None:
+            return packed
+    codes = [p.decode() if isinstance(p, QuantRows) else p for p in parts]
+    return pack(QuantCodes.concat(codes), interleaved)
+
+
 class QuantLinear:
     """y = W x' for a weight in GGUF quantized types, in their own bytes (see qlayout.py): the
     rows of one or more tensors stacked (a fused projection whose parts differ in type is one
@@ -182,14 +192,16 @@ class QuantLinear:
     # the dequantized weight. The column layout (sparse files) keeps the GEMM, faster there.
     prefill_matmul: bool
 
-    def __init__(self, parts: list[QuantCodes], interleaved: bool = False) -> None:
-        runs: list[list[QuantCodes]] = []
+    def __init__(self, parts: list[QuantCodes | QuantRows], interleaved: bool = False) -> None:
+        """``parts``: decoded codes, or a file's rows (`QuantRows`), which the interleaved layout
+        packs straight from the file's bytes."""
+        runs: list[list[QuantCodes | QuantRows]] = []
         for p in parts:  # consecutive parts of one type share a matrix
             if runs and runs[-1][0].qtype == p.qtype:
                 runs[-1].append(p)
             else:
                 runs.append([p])
-        self.packed: list[PackedQuant] = [pack(QuantCodes.concat(r), interleaved) for r in runs]
+        self.packed: list[PackedQuant] = [_pack(r, interleaved) for r in runs]
         self.prefill_matmul = not interleaved
         k = {p.k for p in self.packed}
         if len(k) != 1:

@@ -229,6 +229,35 @@ def decode(raw: np.ndarray, qtype: int, native: bool = True) -> QuantCodes:
 
 
 @dataclass(frozen=True)
+class QuantRows:
+    """Rows of one GGUF tensor as the file stores them, not yet decoded: raw (N, row_bytes) uint8
+    (a view of the mapped file) and the indices of its rows in the order wanted (None: all, in
+    order; a RoPE row permutation is such an order). `pack_rows` packs them for the interleaved
+    kernels in one pass from the file's bytes; `decode` gives their codes for every other use."""
+
+    qtype: int
+    raw: np.ndarray
+    rows: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        f = FORMATS[self.qtype]
+        n = self.raw.shape[0] if self.rows is None else len(self.rows)
+        return n, self.raw.shape[1] // f.block_bytes * f.block_values
+
+    def decode(self) -> QuantCodes:
+        return decode(self.raw if self.rows is None else self.raw[self.rows], self.qtype)
+
+    def addresses(self) -> np.ndarray:
+        """(N,) uint64 address of each wanted row's first byte."""
+        raw = self.raw
+        if not raw.flags.c_contiguous:
+            raise ValueError("QuantRows.raw must be C-contiguous")
+        idx = np.arange(raw.shape[0], dtype=np.uint64) if self.rows is None else np.asarray(self.rows, dtype=np.uint64)
+        return np.uint64(raw.ctypes.data) + idx * np.uint64(raw.shape[1])
+
+
+@dataclass(frozen=True)
 class PackedQuant:
     """The kernels' arrays: codes (K, colstride) uint8, d / m (K // dgroup, npad) uint16 (fp16),
     sc (K // group, npad) uint8 (Q6_K: int8 scales; Q4_K / Q5_K: the 6-bit scale and, above it,
@@ -352,6 +381,35 @@ def pack(c: QuantCodes, interleaved: bool = False, native: bool = True) -> Packe
                        cols(sc, np.uint8), cols(mn, np.uint32), interleaved)
 
 
+def pack_rows(parts: list[QuantRows]) -> PackedQuant | None:
+    """The interleaved `PackedQuant` of the rows of ``parts`` (one type, stacked: a fused
+    projection) straight from the file's bytes in one C pass: the same arrays as
+    ``pack(QuantCodes.concat([p.decode() for p in parts]), interleaved=True)`` without the
+    decoded codes in between (measured on the 1.5B: see README, loading). None without the
+    kernels."""
+    kernels = _kernels()
+    if kernels is None:
+        return None
+    qtype = parts[0].qtype
+    if any(p.qtype != qtype for p in parts) or len({p.shape[1] for p in parts}) != 1:
+        raise ValueError("only rows of one type and width stack")
+    f = FORMATS[qtype]
+    n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    if k % f.dgroup:
+        raise ValueError(f"{f.name} needs rows of a multiple of {f.dgroup} values, not {k}")
+    npad = -(-n // CHUNK_ROWS) * CHUNK_ROWS
+    rows = np.concatenate([p.addresses() for p in parts])
+    codes = _aligned_empty((k, npad * f.bits // 8), np.dtype(np.uint8))
+
+    def factors(present: bool, per: int, dtype: type) -> np.ndarray | None:
+        return _aligned_empty((k // per, npad), np.dtype(dtype), 64) if present else None
+
+    d, m = factors(True, f.dgroup, np.uint16), factors(f.has_m, f.dgroup, np.uint16)
+    sc, mn = factors(f.has_sc, f.group, np.uint8), factors(f.has_mn, 256, np.uint32)
+    kernels.pack_rows(qtype, rows, n, k, codes, d, m, sc, mn)
+    return PackedQuant(qtype, n, k, codes, d, m, sc, mn, interleaved=True)
+
+
 def quantize_activations(x: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The kernels' int8 activations: per row and block of 32 inputs, dx = max |kept x| / 127,
     qx = round-half-even(x / dx) (as x * (1 / dx) in float32) where kept, else 0."""
@@ -385,5 +443,5 @@ def reference_gemv(c: QuantCodes, x: np.ndarray, threshold: float | None = None)
     return y.astype(np.float32)
 
 
-__all__ = ["ALIGN", "FORMATS", "QUANT_TYPES", "PackedQuant", "QFormat", "QuantCodes", "decode", "pack",
+__all__ = ["ALIGN", "FORMATS", "QUANT_TYPES", "PackedQuant", "QFormat", "QuantCodes", "QuantRows", "decode", "pack", "pack_rows",
            "quantize_activations", "reference_gemv"]

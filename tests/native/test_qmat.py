@@ -155,3 +155,29 @@ def test_native_packing_matches_numpy(qtype: int) -> None:
     c = ql.decode(gguf_blocks(qtype, 45, 2 * f.block_values), qtype)
     native, ref = ql.pack(c, interleaved=True), ql.pack(c, interleaved=True, native=False)
     np.testing.assert_array_equal(native.codes, ref.codes)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_packing_rows_from_the_file_matches_decoding_first(qtype: int) -> None:
+    """The loader's one-pass packer (the file's rows straight into the interleaved arrays)
+    writes what decoding, permuting rows, stacking and packing write: two tensors of one type
+    stacked, the first with its rows permuted (RoPE), the second in order, 45 + 21 rows (a
+    padded last chunk)."""
+    f = ql.FORMATS[qtype]
+    k = 2 * f.dgroup if f.dgroup == 256 else 96
+    a, b = gguf_blocks(qtype, 45, k, seed=1), gguf_blocks(qtype, 21, k, seed=2)
+    perm = np.random.default_rng(qtype).permutation(45)
+    rows = [ql.QuantRows(qtype, a, perm), ql.QuantRows(qtype, b)]
+    assert rows[0].shape == (45, k)
+    got = ql.pack_rows(rows)
+    want = ql.pack(ql.QuantCodes.concat([ql.decode(a[perm], qtype), ql.decode(b, qtype)]), interleaved=True)
+    assert got is not None and (got.n, got.k, got.interleaved) == (66, k, True)
+    for name in ("codes", "d", "m", "sc", "mn"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert (g is None) == (w is None), name
+        if g is not None:
+            assert g.shape == w.shape and g.dtype == w.dtype, name
+            np.testing.assert_array_equal(g, w, err_msg=name)
+    lin = QuantLinear(rows, interleaved=True)  # and the layer built from them computes with them
+    x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+    np.testing.assert_array_equal(lin(x), QuantLinear([ql.decode(a[perm], qtype), ql.decode(b, qtype)], interleaved=True)(x))

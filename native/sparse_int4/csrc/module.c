@@ -806,10 +806,53 @@ static PyObject *py_decode_codes(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* pack_rows(type, rows, n, k, codes, d, m, sc, mn): the interleaved QMatrix arrays of n rows of a
+ * GGUF tensor straight from the file's bytes (qm_pack_rows); rows: n uint64 addresses of each
+ * row's blocks, which the caller keeps alive; m, sc, mn None where the type has none. */
+static PyObject *py_pack_rows(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *orows, *oc, *od, *om, *osc, *omn;
+    int qtype, n, k;
+    if (!PyArg_ParseTuple(args, "iOiiOOOOO", &qtype, &orows, &n, &k, &oc, &od, &om, &osc, &omn)) return NULL;
+    const qm_format *f = NULL;
+    for (size_t i = 0; i < sizeof QM_FORMATS / sizeof QM_FORMATS[0]; i++)
+        if (QM_FORMATS[i].type == qtype) f = &QM_FORMATS[i];
+    if (!f || n < 1 || k < 1 || k % f->dgroup)
+        return PyErr_Format(PyExc_ValueError, "pack_rows: bad type %d or shape (n %d, k %d)", qtype, n, k);
+    if ((om != Py_None) != f->has_m || (osc != Py_None) != f->has_sc || (omn != Py_None) != f->has_mn)
+        return PyErr_Format(PyExc_ValueError, "pack_rows: %s takes m %s, sc %s, mn %s", f->name, f->has_m ? "yes" : "None",
+                            f->has_sc ? "yes" : "None", f->has_mn ? "yes" : "None");
+    const size_t npad = (size_t)(n + 31) / 32 * 32, nd = (size_t)(k / f->dgroup) * npad, ng = (size_t)(k / f->group) * npad;
+    Py_buffer v[6];
+    void *p[6] = {NULL};
+    PyObject *objs[6] = {orows, oc, od, om, osc, omn};
+    const size_t need[6] = {(size_t)n * 8, (size_t)k * npad * f->bits / 8, nd * 2, nd * 2, ng, (size_t)(k / 256) * npad * 4};
+    const char fmt[6] = {0, 0, 'H', 'H', 0, 0};
+    int ok = 1, i = 0;
+    for (; i < 6 && ok; i++) {
+        v[i].obj = NULL;
+        if (objs[i] != Py_None) ok = get_ptr(objs[i], &v[i], i > 0, need[i], fmt[i], &p[i], i == 0 ? "rows" : "an output") == 0;
+    }
+    int rc = 0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = qm_pack_rows(qtype, (const uint8_t *const *)p[0], n, k, f->bits, f->group, f->dgroup, p[1], p[2], p[3], p[4], p[5]);
+        Py_END_ALLOW_THREADS
+    }
+    for (int j = 0; j < i; j++) release(&v[j]);
+    if (!ok) return NULL;
+    if (rc == -2) return PyErr_NoMemory();
+    if (rc) return PyErr_Format(PyExc_ValueError, "pack_rows: type %d is not read", qtype);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"decode_codes", py_decode_codes, METH_VARARGS,
      "decode_codes(raw, n, nb, type, out): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K block bytes into "
      "(n, nb values per block) uint8 codes."},
+    {"pack_rows", py_pack_rows, METH_VARARGS,
+     "pack_rows(type, rows, n, k, codes, d, m, sc, mn): n rows of a GGUF tensor (rows: their uint64 addresses) "
+     "into the interleaved QMatrix arrays."},
     {"pack_interleaved", py_pack_interleaved, METH_VARARGS,
      "pack_interleaved(codes, n, k, bits, group, out): codes (n, k) uint8 into the interleaved QMatrix layout."},
     {"to_f16", (PyCFunction)(void (*)(void))py_to_f16, METH_FASTCALL, "to_f16(x, out): float32 -> fp16 bits."},

@@ -110,6 +110,15 @@ void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group
 int qm_block_shape(int type, size_t *bytes, size_t *values);
 int qm_decode_codes(const uint8_t *raw, size_t n, size_t nb, int type, uint8_t *out);
 
+/* n rows of a GGUF tensor of any type above, row i's blocks at rows[i] (the file's bytes, in
+ * any order: a row permutation or rows of several tensors cost nothing), straight into the
+ * interleaved layout's arrays, as qlayout.pack(decode(...), interleaved=True) writes them:
+ * codes as qm_pack_interleaved, d / m / sc / mn in qm_fat's order (NULL where the type has
+ * none); rows past n zero. One pass, a chunk of 32 rows at a time (its codes decoded into a
+ * 32 k-byte buffer that stays in cache). 0, or -1 for a type it does not read, -2 out of memory. */
+int qm_pack_rows(int type, const uint8_t *const *rows, int n, int k, int bits, int group, int dgroup, uint8_t *codes,
+                 uint16_t *d, uint16_t *m, uint8_t *sc, uint32_t *mn);
+
 typedef void (*qm_dequant_fn)(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 #ifdef LLMLOCAL_X86_VARIANTS

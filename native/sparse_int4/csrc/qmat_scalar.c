@@ -1,6 +1,7 @@
 /* Quantized matrices (qmat.h): the portable kernel, the activation quantizer every ISA shares,
  * and the dequantization for prefill matmuls. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qmat.h"
@@ -198,41 +199,109 @@ qm_dense_prepare_fn qm_dense_prepare_for(int isa) {
  * of a row, and land in four adjacent bytes of the tile: each row's quad is moved as one 32-bit
  * word (byte t = column t), its nibbles and high bits masked per byte. Chunk-outer, so the 32
  * rows read stay in cache. */
-void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group, uint8_t *out) {
-    const int nch = (n + 31) / 32, qpg = group / 4, qb = 16 * bits, G = k / group;
-    (void)nch;
+/* A quad's words from its rows' words R (4 codes each, byte t = column t): the formulas above,
+ * written once for any word type W with the C operators (a uint32_t, or four quads' words in
+ * an SSE2 register). Writes qb / 4 words of o. */
+#define PACK_QUAD_WORDS(W, R, o, bits, AND, OR, SHL, SHR, C)                                              \
+    do {                                                                                             \
+        if ((bits) == 8) {                                                                           \
+            for (int r_ = 0; r_ < 32; r_++) o[r_] = R[r_];                                           \
+            break;                                                                                   \
+        }                                                                                            \
+        if ((bits) == 6) { /* rows 0..15 whole with the top bits of rows 16..31, their nibbles */   \
+            for (int e_ = 0; e_ < 8; e_++) {                                                         \
+                o[e_] = OR(AND(R[e_], C(0x3F3F3F3Fu)), SHL(AND(SHR(R[16 + e_], 4), C(0x03030303u)), 6)); \
+                o[8 + e_] = OR(AND(R[8 + e_], C(0x3F3F3F3Fu)), SHL(AND(SHR(R[24 + e_], 4), C(0x03030303u)), 6)); \
+                o[16 + e_] = OR(AND(R[16 + e_], C(0x0F0F0F0Fu)), SHL(AND(R[24 + e_], C(0x0F0F0F0Fu)), 4)); \
+            }                                                                                        \
+            break;                                                                                   \
+        }                                                                                            \
+        /* low nibbles: row 16 h + 8 s + p in byte 8 h + p, nibble s */                              \
+        for (int b_ = 0; b_ < 16; b_++) {                                                            \
+            const int lo_ = (b_ / 8) * 16 + b_ % 8;                                                  \
+            o[b_] = OR(AND(R[lo_], C(0x0F0F0F0Fu)), SHL(AND(R[lo_ + 8], C(0x0F0F0F0Fu)), 4));        \
+        }                                                                                            \
+        if ((bits) == 5) /* row 8 v + 4 w + p: bit 2 v + w of byte 16 + p */                         \
+            for (int p_ = 0; p_ < 4; p_++) {                                                         \
+                W v_ = C(0);                                                                         \
+                for (int r_ = p_; r_ < 32; r_ += 4)                                                  \
+                    v_ = OR(v_, SHL(AND(SHR(R[r_], 4), C(0x01010101u)), 2 * (r_ / 8) + (r_ % 8) / 4)); \
+                o[16 + p_] = v_;                                                                     \
+            }                                                                                        \
+    } while (0)
+
+#define S_AND(a, b) ((a) & (b))
+#define S_OR(a, b) ((a) | (b))
+#define S_SHL(a, n) ((a) << (n))
+#define S_SHR(a, n) ((a) >> (n))
+#define S_C(x) ((uint32_t)(x))
+
+/* One quad at a time: rows r < nrows at codes + r * stride, the others zero. */
+static void pack_chunk_scalar(const uint8_t *codes, size_t stride, int nrows, int k, int bits, int group, uint8_t *out) {
+    const int qpg = group / 4, qb = 16 * bits, G = k / group;
     uint32_t R[32], o[32];
-    for (int c = 0; c < nch; c++)
-        for (int g = 0; g < G; g++)
-            for (int qi = 0; qi < qpg; qi++) {
-                const size_t j = (size_t)g * group + 4 * qi;
-                for (int r = 0; r < 32; r++) {
-                    R[r] = 0;
-                    if (c * 32 + r < n) memcpy(&R[r], codes + (size_t)(c * 32 + r) * k + j, 4);
-                }
-                if (bits == 8) {
-                    memcpy(out + (((size_t)c * G + g) * qpg + qi) * qb, R, sizeof R);
-                    continue;
-                }
-                /* low nibbles: row 16 h + 8 s + p in byte 8 h + p, nibble s */
-                for (int b = 0; b < 16; b++) {
-                    const int lo = (b / 8) * 16 + b % 8;
-                    o[b] = (R[lo] & 0x0F0F0F0Fu) | (R[lo + 8] & 0x0F0F0F0Fu) << 4;
-                }
-                if (bits == 5) /* row 8 v + 4 w + p: bit 2 v + w of byte 16 + p */
-                    for (int p = 0; p < 4; p++) {
-                        uint32_t v = 0;
-                        for (int r = p; r < 32; r += 4) v |= ((R[r] >> 4) & 0x01010101u) << (2 * (r / 8) + (r % 8) / 4);
-                        o[16 + p] = v;
-                    }
-                else if (bits == 6) /* rows 0..15 whole with the top bits of rows 16..31, their nibbles */
-                    for (int e = 0; e < 8; e++) {
-                        o[e] = (R[e] & 0x3F3F3F3Fu) | ((R[16 + e] >> 4) & 0x03030303u) << 6;
-                        o[8 + e] = (R[8 + e] & 0x3F3F3F3Fu) | ((R[24 + e] >> 4) & 0x03030303u) << 6;
-                        o[16 + e] = (R[16 + e] & 0x0F0F0F0Fu) | (R[24 + e] & 0x0F0F0F0Fu) << 4;
-                    }
-                memcpy(out + (((size_t)c * G + g) * qpg + qi) * qb, o, (size_t)qb);
+    for (int g = 0; g < G; g++)
+        for (int qi = 0; qi < qpg; qi++) {
+            const size_t j = (size_t)g * group + 4 * qi;
+            for (int r = 0; r < 32; r++) {
+                R[r] = 0;
+                if (r < nrows) memcpy(&R[r], codes + (size_t)r * stride + j, 4);
             }
+            PACK_QUAD_WORDS(uint32_t, R, o, bits, S_AND, S_OR, S_SHL, S_SHR, S_C);
+            memcpy(out + ((size_t)g * qpg + qi) * qb, o, (size_t)qb);
+        }
+}
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define V_AND(a, b) _mm_and_si128(a, b)
+#define V_OR(a, b) _mm_or_si128(a, b)
+#define V_SHL(a, n) _mm_slli_epi32(a, n)
+#define V_SHR(a, n) _mm_srli_epi32(a, n)
+#define V_C(x) _mm_set1_epi32((int)(x))
+
+/* A full chunk, four quads at a time (group a multiple of 16): lane i of each register is
+ * quad i's word, and 4 x 4 transposes give each quad its run of words. About 3x fewer
+ * instructions than a quad at a time (every load of a model runs this). */
+static void pack_chunk_sse2(const uint8_t *codes, size_t stride, int k, int bits, int group, uint8_t *out) {
+    const int qpg = group / 4, qb = 16 * bits, G = k / group, words = qb / 4;
+    __m128i R[32], o[32];
+    for (int g = 0; g < G; g++)
+        for (int q0 = 0; q0 < qpg; q0 += 4) {
+            const size_t j = (size_t)g * group + 4 * q0;
+            for (int r = 0; r < 32; r++) R[r] = _mm_loadu_si128((const __m128i *)(codes + (size_t)r * stride + j));
+            PACK_QUAD_WORDS(__m128i, R, o, bits, V_AND, V_OR, V_SHL, V_SHR, V_C);
+            uint8_t *dst = out + ((size_t)g * qpg + q0) * qb;
+            for (int w = 0; w < words; w += 4) { /* words w..w+3 of quads q0..q0+3 */
+                const __m128i a = _mm_unpacklo_epi32(o[w], o[w + 1]), b = _mm_unpackhi_epi32(o[w], o[w + 1]);
+                const __m128i c = _mm_unpacklo_epi32(o[w + 2], o[w + 3]), d = _mm_unpackhi_epi32(o[w + 2], o[w + 3]);
+                _mm_storeu_si128((__m128i *)(dst + 4 * w), _mm_unpacklo_epi64(a, c));
+                _mm_storeu_si128((__m128i *)(dst + qb + 4 * w), _mm_unpackhi_epi64(a, c));
+                _mm_storeu_si128((__m128i *)(dst + 2 * qb + 4 * w), _mm_unpacklo_epi64(b, d));
+                _mm_storeu_si128((__m128i *)(dst + 3 * qb + 4 * w), _mm_unpackhi_epi64(b, d));
+            }
+        }
+}
+#endif
+
+/* Chunk c's tiles (one run: tiles are chunk-major) from rows r < nrows at codes + r * stride. */
+static void pack_chunk(const uint8_t *codes, size_t stride, int nrows, int k, int bits, int group, uint8_t *out) {
+#if defined(__SSE2__)
+    if (nrows == 32 && group % 16 == 0) {
+        pack_chunk_sse2(codes, stride, k, bits, group, out);
+        return;
+    }
+#endif
+    pack_chunk_scalar(codes, stride, nrows, k, bits, group, out);
+}
+
+void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group, uint8_t *out) {
+    const int nch = (n + 31) / 32;
+    const size_t chunk_bytes = (size_t)k * 4 * (size_t)bits;
+    for (int c = 0; c < nch; c++) {
+        const int nrows = n - 32 * c < 32 ? n - 32 * c : 32;
+        pack_chunk(codes + (size_t)c * 32 * k, (size_t)k, nrows, k, bits, group, out + (size_t)c * chunk_bytes);
+    }
 }
 
 /* Bytes and values of one block of a type qm_decode_codes reads; 0 for another type. */
@@ -303,5 +372,82 @@ int qm_decode_codes(const uint8_t *raw, size_t n, size_t nb, int type, uint8_t *
             for (int sb = 0; sb < 8; sb++)
                 for (int l = 0; l < 32; l++) q[32 * sb + l] |= (uint8_t)(((b[16 + l] >> sb) & 1) << 4);
     }
+    return 0;
+}
+
+/* The 6-bit scales and mins of the 8 sub-blocks of a Q4_K / Q5_K super-block, from its 12
+ * packed bytes s: sub-blocks 0..3 keep theirs in the low 6 bits of s[j] (scale) and s[4 + j]
+ * (min); 4..7 their low 4 bits in s[8 + i] (scale low, min high nibble) and their top 2 bits in
+ * the top bits of s[i] and s[4 + i]. */
+static void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[4 + j] & 63;
+        sc[4 + j] = (uint8_t)((s[8 + j] & 15) | ((s[j] >> 6) << 4));
+        mn[4 + j] = (uint8_t)((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
+    }
+}
+
+/* One row's factors into a chunk's factor runs (row r of 32; qm_fat's interleaved order):
+ * d and m (dmin) per dgroup, sc per group, mn per super-block, as qlayout.pack writes them. */
+static void row_factors(const uint8_t *row, int type, int nb, size_t bb, int r, uint16_t *d, uint16_t *m,
+                        uint8_t *sc, uint32_t *mn) {
+    for (int i = 0; i < nb; i++) {
+        const uint8_t *b = row + (size_t)i * bb;
+        if (type == QM_Q6_K) {
+            memcpy(&d[(size_t)i * 32 + r], b + 208, 2);
+            for (int s = 0; s < 16; s++) sc[((size_t)i * 16 + s) * 32 + r] = b[192 + s];
+            continue;
+        }
+        memcpy(&d[(size_t)i * 32 + r], b, 2);
+        if (type == QM_Q4_1 || type == QM_Q5_1 || type == QM_Q4_K || type == QM_Q5_K) memcpy(&m[(size_t)i * 32 + r], b + 2, 2);
+        if (type == QM_Q4_K || type == QM_Q5_K) {
+            uint8_t s6[8], m6[8];
+            k_scales(b + 4, s6, m6);
+            uint32_t low = 0;
+            for (int j = 0; j < 8; j++) {
+                sc[((size_t)i * 8 + j) * 32 + r] = (uint8_t)(s6[j] | ((m6[j] >> 4) << 6));
+                low |= (uint32_t)(m6[j] & 15) << (4 * j);
+            }
+            mn[(size_t)i * 32 + r] = low;
+        }
+    }
+}
+
+int qm_pack_rows(int type, const uint8_t *const *rows, int n, int k, int bits, int group, int dgroup, uint8_t *codes,
+                 uint16_t *d, uint16_t *m, uint8_t *sc, uint32_t *mn) {
+    size_t bb, values;
+    if (type == QM_Q8_0) bb = 34, values = 32;
+    else if (!qm_block_shape(type, &bb, &values)) return -1;
+    const int nch = (n + 31) / 32, nb = k / (int)values;
+    const size_t nd = (size_t)(k / dgroup), ng = (size_t)(k / group), chunk_bytes = (size_t)k * 4 * (size_t)bits;
+    uint8_t *buf = malloc((size_t)32 * k);
+    if (!buf) return -2;
+    for (int c = 0; c < nch; c++) {
+        uint16_t *dc = d + (size_t)c * nd * 32, *mc = m ? m + (size_t)c * nd * 32 : NULL;
+        uint8_t *scc = sc ? sc + (size_t)c * ng * 32 : NULL;
+        uint32_t *mnc = mn ? mn + (size_t)c * (size_t)(k / 256) * 32 : NULL;
+        for (int r = 0; r < 32; r++) {
+            uint8_t *q = buf + (size_t)r * k;
+            const int row = c * 32 + r;
+            if (row >= n) { /* padding: zero codes and factors */
+                memset(q, 0, (size_t)k);
+                for (size_t f = 0; f < nd; f++) {
+                    dc[f * 32 + r] = 0;
+                    if (mc) mc[f * 32 + r] = 0;
+                }
+                if (scc) for (size_t f = 0; f < ng; f++) scc[f * 32 + r] = 0;
+                if (mnc) for (int f = 0; f < k / 256; f++) mnc[(size_t)f * 32 + r] = 0;
+                continue;
+            }
+            if (type == QM_Q8_0)
+                for (int i = 0; i < nb; i++) memcpy(q + (size_t)i * 32, rows[row] + (size_t)i * bb + 2, 32);
+            else
+                qm_decode_codes(rows[row], 1, (size_t)nb, type, q);
+            row_factors(rows[row], type, nb, bb, r, dc, mc, scc, mnc);
+        }
+        qm_pack_interleaved(buf, 32, k, bits, group, codes + (size_t)c * chunk_bytes);
+    }
+    free(buf);
     return 0;
 }
