@@ -244,7 +244,9 @@ def test_native_decode_stack_gives_the_torch_layers_tokens(sparse_f32: Engine, l
     with the same kernels are its reference. Both sum in different orders, so an input within a
     rounding error of its threshold can go either way, and at 50% the model is chaotic in its
     thresholds (see the test above): dense, the same 48 greedy tokens; at 50%, the same first
-    16, and the same share of columns skipped within 1%. With a float32 cache: with fp16, the
+    4 (where the two part depends on the CPU: after 16 tokens on an AVX2 host, after 8 on an
+    AVX-512 one, where torch's layers round differently), and the same share of columns skipped
+    within 1%. With a float32 cache: with fp16, the
     last-bit differences between the C rotation and torch's complex multiply sometimes round a
     key to the neighbouring fp16 value (the fp16 cache is compared on longer contexts below,
     and at level 0 within near ties above)."""
@@ -273,7 +275,7 @@ def test_native_decode_stack_gives_the_torch_layers_tokens(sparse_f32: Engine, l
     (tokens, achieved, steps), (want_tokens, want_achieved, generic_steps) = runs[True], runs[False]
     assert steps == 47 and generic_steps == 0  # every decode step but the first (prefill) token
     assert len(tokens) == len(want_tokens) == 48
-    same = 48 if level == 0 else 16
+    same = 48 if level == 0 else 4
     assert tokens[:same] == want_tokens[:same]
     assert achieved == pytest.approx(want_achieved, abs=0.01)
     assert achieved == pytest.approx(level, abs=0.08)
