@@ -21,6 +21,8 @@ X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 ISA_SOURCES = {
     f"{CSRC}/isa_avx2.c": ["-mavx2", "-mfma", "-mf16c", "-mpopcnt"],
     f"{CSRC}/qmat_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    f"{CSRC}/qmat_avxvnni.c": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
+    f"{CSRC}/qmat_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     f"{CSRC}/isa_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c", "-mpopcnt"],
 }
 
@@ -51,7 +53,7 @@ def sparse_int4_extension() -> Extension:
         "llmlocal.native.sparse_int4._kernels",
         sources=[f"{CSRC}/{name}" for name in ("module.c", "decode_stack.c", "int8_gemv.c", "pool.c", "dispatch.c", "isa_scalar.c", "qmat_scalar.c")],
         include_dirs=[CSRC],
-        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES),
+        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES),
         extra_compile_args=["-std=c11", "-O3", "-pthread", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],
         libraries=["m"],

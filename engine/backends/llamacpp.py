@@ -8,6 +8,7 @@ that prefix, which `Llama.generate` finds by comparing token ids.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 from typing import Any, Iterator
@@ -60,7 +61,10 @@ def cpu_model_params() -> dict[str, Any]:
     On CPUs with AMX, llama.cpp's AMX matmul (an "extra buffer type") segfaults on batched
     prompt evaluation of 4-bit weights (seen with llama-cpp-python 0.3.36 on a Sapphire
     Rapids host); without extra buffer types it uses its ordinary CPU kernels, which also
-    forgoes its weight repacking."""
+    forgoes its weight repacking. LLMLOCAL_LLAMACPP_EXTRA_BUFTS=1 keeps them (to measure
+    llama.cpp's decode at its own default there: one-token steps do not crash)."""
+    if os.environ.get("LLMLOCAL_LLAMACPP_EXTRA_BUFTS", "").strip() == "1":
+        return {}
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             flags = next((line for line in f if line.startswith("flags")), "")

@@ -6,6 +6,8 @@ Environment (read when the kernels are first loaded):
     LLMLOCAL_SPARSE_THREADS=N                threads per GEMV, caller included
                                              (default: the CPUs this process may run on)
     LLMLOCAL_SPARSE_SPIN_US=US               how long idle workers spin before sleeping (200)
+    LLMLOCAL_QMAT_VNNI=0                     GGUF-type kernels without VNNI dot products
+                                             (for measuring them; the results are the same)
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def _configure(k: ModuleType) -> None:
         k.set_isa(isa)
     threads = os.environ.get("LLMLOCAL_SPARSE_THREADS", "").strip()
     k.set_num_threads(int(threads) if threads else default_threads())
+    if os.environ.get("LLMLOCAL_QMAT_VNNI", "").strip() == "0":
+        k.set_qmat_vnni(False)
     spin = os.environ.get("LLMLOCAL_SPARSE_SPIN_US", "").strip()
     if spin:
         k.set_spin_us(int(spin))
@@ -82,6 +86,17 @@ def isa() -> str:
 def set_isa(name: str) -> None:
     """Take the `name` path (scalar, avx2, avx512); ValueError above best_isa()."""
     kernels().set_isa(name)
+
+
+def qmat_kernel() -> str:
+    """The GGUF-type kernel variant the current path runs: scalar, avx2, avxvnni or avx512vnni."""
+    return kernels().qmat_kernel()
+
+
+def set_qmat_vnni(on: bool) -> None:
+    """Let the GGUF-type kernels use VNNI dot products where the CPU has them (the default);
+    off, they run the AVX2 variant, which computes the same numbers."""
+    kernels().set_qmat_vnni(on)
 
 
 def num_threads() -> int:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
-from llmlocal.native.sparse_int4 import kernels
+from llmlocal.native.sparse_int4 import kernels, runtime
 from llmlocal.native.sparse_int4 import qlayout as ql
 from llmlocal.native.sparse_int4.linear import QuantLinear, quantize_dequantize
 
@@ -87,6 +87,37 @@ def test_gemv_matches_reference(isa: str, qtype: int, interleaved: bool) -> None
                     assert kept == k
                 elif not interleaved:  # the columns read: those some row keeps
                     assert kept == int((np.abs(x) > threshold).any(axis=0).sum())
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["columns", "quads"])
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_vnni_kernels_give_the_avx2_kernels_floats(isa: str, qtype: int, interleaved: bool) -> None:
+    """Where the CPU has VNNI, its kernels (vpdpbusd, the sub-block scales applied to int32
+    sums) compute bit for bit what the AVX2 kernel computes (int16 sums, scales in the
+    widening): the same integers, then the same float operations per row."""
+    vnni = runtime.qmat_kernel()
+    if "vnni" not in vnni:
+        pytest.skip(f"the {isa} path runs no VNNI kernel on this CPU ({vnni})")
+    f = ql.FORMATS[qtype]
+    rng = np.random.default_rng(qtype + 1)
+    n, k = 70, 1024 if f.dgroup == 256 else 352
+    c = ql.decode(gguf_blocks(qtype, n, k, seed=5), qtype)
+    p = ql.pack(c, interleaved)
+    m = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, interleaved)
+    for batch in (1, 3, 8, 64):
+        for threshold in (None, 0.6):
+            x = (4 * rng.standard_normal((batch, k))).astype(np.float32)  # large |qx|: no int16 slack
+            ys = []
+            for on in (True, False):
+                runtime.set_qmat_vnni(on)
+                try:
+                    y = np.full((batch, n), np.nan, dtype=np.float32)
+                    m.gemv(x, y, batch, k, n, 0.0 if threshold is None else threshold, threshold is None, None)
+                finally:
+                    runtime.set_qmat_vnni(True)
+                ys.append(y)
+            assert runtime.qmat_kernel() == vnni
+            np.testing.assert_array_equal(ys[0], ys[1], err_msg=f"{vnni} vs avx2, batch {batch}")
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["columns", "quads"])

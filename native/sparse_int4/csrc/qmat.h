@@ -74,8 +74,14 @@ typedef void (*qm_kernel_fn)(const qm_matrix *m, const qm_acts *a, int row0, int
 void qm_kernel_scalar(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
 #ifdef LLMLOCAL_X86_VARIANTS
 void qm_kernel_avx2(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
+void qm_kernel_avxvnni(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
+void qm_kernel_avx512vnni(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
 #endif
-qm_kernel_fn qm_kernel_for(int isa);
+/* The kernel of an ISA path: on the AVX2 and AVX-512 paths the VNNI variant where the CPU has
+ * one (AVX512-VNNI only on the AVX-512 path), unless `vnni` is 0. Every variant gives the same
+ * floats (qmat_body.h). qm_kernel_name: "scalar", "avx2", "avxvnni" or "avx512vnni". */
+qm_kernel_fn qm_kernel_for(int isa, int vnni);
+const char *qm_kernel_name(qm_kernel_fn f);
 
 /* Thresholds, compacts and quantizes x; returns the columns kept (by any row). Buffers: cols
  * and qx rows k + 4 * n_groups slots, goff n_groups + 1, dx k / 32 per row, xs n_groups * batch,

@@ -168,12 +168,25 @@ void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *o
     }
 }
 
-qm_kernel_fn qm_kernel_for(int isa) {
+qm_kernel_fn qm_kernel_for(int isa, int vnni) {
 #ifdef LLMLOCAL_X86_VARIANTS
+    __builtin_cpu_init();
+    if (vnni && isa >= SI4_ISA_AVX512 && __builtin_cpu_supports("avx512vnni")) return qm_kernel_avx512vnni;
+    if (vnni && isa >= SI4_ISA_AVX2 && __builtin_cpu_supports("avxvnni")) return qm_kernel_avxvnni;
     if (isa >= SI4_ISA_AVX2) return qm_kernel_avx2;
 #endif
-    (void)isa;
+    (void)isa, (void)vnni;
     return qm_kernel_scalar;
+}
+
+const char *qm_kernel_name(qm_kernel_fn f) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (f == qm_kernel_avx512vnni) return "avx512vnni";
+    if (f == qm_kernel_avxvnni) return "avxvnni";
+    if (f == qm_kernel_avx2) return "avx2";
+#endif
+    (void)f;
+    return "scalar";
 }
 
 qm_dequant_fn qm_dequant_for(int isa) {

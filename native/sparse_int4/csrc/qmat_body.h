@@ -1,0 +1,663 @@
+/* Quantized matrices (qmat.h), AVX2: integer dot products of four columns at a time.
+ *
+ * For a chunk of 32 rows and four slots (columns), the codes become four vectors W[v] whose
+ * int32 element e holds row 8v + e's codes of the four columns in its four bytes; with the four
+ * quantized activations broadcast into every element, vpmaddubsw + vpmaddwd give each row's
+ * sum of four products in int32 (|q| <= 63 times |qx| <= 127: no int16 saturation; Q8_0's
+ * signed codes take the sign of x instead, as |x| * sign(q, x)). The chunk layout (qlayout.py)
+ * is chosen so that the byte interleave below yields rows in natural order. Two kernels:
+ *
+ *   the column layout (sparse files: a column's run is skipped when its input is zeroed):
+ *     groups outer, per group the int32 sums scaled by D * dx and M * dx * sum(qx) added to y;
+ *   the interleaved layout (dense decoding, batches, prefill; the section below): a chunk of
+ *     32 rows over all of K in one run, each row's sums in registers, sub-block scales applied
+ *     in the integer widening.
+ *
+ * This body is compiled three times (setup.py), each translation unit defining QM_SUFFIX and
+ * QM_DPBUSD before including it:
+ *   qmat_avx2.c        -mavx2 -mfma -mf16c: vpmaddubsw into int16, vpmaddwd into int32;
+ *   qmat_avxvnni.c     the same with AVX-VNNI (Alder Lake and later, Zen 5) and
+ *   qmat_avx512vnni.c  with AVX512-VNNI on 256-bit registers (Cascade Lake, Ice Lake, Sapphire
+ *                      Rapids, Zen 4): vpdpbusd adds the four products of each int32 element
+ *                      to it in one instruction, with no int16 stage to widen; the sub-block
+ *                      scales then multiply the int32 sums (vpmulld), which gives the same
+ *                      integers as weighting the widening, so every variant computes the same
+ *                      floats. Each is called only on CPUs that have its instructions. */
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qmat.h"
+
+#ifndef QM_SUFFIX
+#error "define QM_SUFFIX (and QM_DPBUSD for a VNNI variant) before including qmat_body.h"
+#endif
+#define QM_CAT_(a, b) a##_##b
+#define QM_CAT(a, b) QM_CAT_(a, b)
+#define QM_NAME(f) QM_CAT(f, QM_SUFFIX)
+#ifdef QM_DPBUSD
+#define QM_VNNI 1
+#else
+#define QM_VNNI 0
+#endif
+
+#define AI static inline __attribute__((always_inline))
+#define PASS 2 /* batch rows per pass over a chunk: 8 accumulators + 4 code vectors */
+
+AI __m256i join(__m128i lo, __m128i hi) { return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1); }
+
+/* The codes of rows 0..31 of four columns' chunks at p[0..3] (see the file comment). */
+AI void load_quad(const uint8_t *const p[4], const int BITS, __m256i W[4]) {
+    if (BITS == 8) { /* bytes 0..31 of each column: 4 (r / 8) + r % 4 + 16 ((r % 8) / 4) */
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)p[0]), c1 = _mm256_loadu_si256((const __m256i *)p[1]);
+        const __m256i c2 = _mm256_loadu_si256((const __m256i *)p[2]), c3 = _mm256_loadu_si256((const __m256i *)p[3]);
+        const __m256i a = _mm256_unpacklo_epi8(c0, c1), b = _mm256_unpackhi_epi8(c0, c1);
+        const __m256i c = _mm256_unpacklo_epi8(c2, c3), d = _mm256_unpackhi_epi8(c2, c3);
+        W[0] = _mm256_unpacklo_epi16(a, c);
+        W[1] = _mm256_unpackhi_epi16(a, c);
+        W[2] = _mm256_unpacklo_epi16(b, d);
+        W[3] = _mm256_unpackhi_epi16(b, d);
+        return;
+    }
+    /* low nibbles: byte 8 (r / 16) + r % 8, nibble (r % 16) / 8 */
+    const __m128i c0 = _mm_loadu_si128((const __m128i *)p[0]), c1 = _mm_loadu_si128((const __m128i *)p[1]);
+    const __m128i c2 = _mm_loadu_si128((const __m128i *)p[2]), c3 = _mm_loadu_si128((const __m128i *)p[3]);
+    const __m128i a = _mm_unpacklo_epi8(c0, c1), b = _mm_unpackhi_epi8(c0, c1);
+    const __m128i c = _mm_unpacklo_epi8(c2, c3), d = _mm_unpackhi_epi8(c2, c3);
+    const __m256i u01 = join(_mm_unpacklo_epi16(a, c), _mm_unpackhi_epi16(a, c)); /* element e: byte e */
+    const __m256i u23 = join(_mm_unpacklo_epi16(b, d), _mm_unpackhi_epi16(b, d)); /* element e: byte 8 + e */
+    const __m256i f = _mm256_set1_epi8(15);
+    W[0] = _mm256_and_si256(u01, f);
+    W[1] = _mm256_and_si256(_mm256_srli_epi16(u01, 4), f);
+    W[2] = _mm256_and_si256(u23, f);
+    W[3] = _mm256_and_si256(_mm256_srli_epi16(u23, 4), f);
+    if (BITS == 5) { /* bytes 16..19: byte r % 4, bit 2 (r / 8) + (r % 8) / 4 */
+        int32_t h[4];
+        for (int t = 0; t < 4; t++) memcpy(&h[t], p[t] + 16, 4);
+        const __m128i ab = _mm_unpacklo_epi8(_mm_cvtsi32_si128(h[0]), _mm_cvtsi32_si128(h[1]));
+        const __m128i cd = _mm_unpacklo_epi8(_mm_cvtsi32_si128(h[2]), _mm_cvtsi32_si128(h[3]));
+        const __m256i hv = _mm256_broadcastsi128_si256(_mm_unpacklo_epi16(ab, cd)); /* element e: byte e % 4 */
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int v = 0; v < 4; v++) {
+            /* elements 0..3 take bit 2v, elements 4..7 bit 2v + 1 */
+            const __m256i bit = join(_mm_set1_epi8((char)(1 << (2 * v))), _mm_set1_epi8((char)(1 << (2 * v + 1))));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
+            W[v] = _mm256_or_si256(W[v], _mm256_and_si256(set, sixteen));
+        }
+    } else if (BITS == 6) { /* bytes 16..23: byte r % 8, bits 2 (r / 8) .. + 1 */
+        const __m128i ab = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(p[0] + 16)),
+                                             _mm_loadl_epi64((const __m128i *)(p[1] + 16)));
+        const __m128i cd = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(p[2] + 16)),
+                                             _mm_loadl_epi64((const __m128i *)(p[3] + 16)));
+        const __m256i hv = join(_mm_unpacklo_epi16(ab, cd), _mm_unpackhi_epi16(ab, cd)); /* element e: byte e */
+        const __m256i m = _mm256_set1_epi8(0x30);
+        W[0] = _mm256_or_si256(W[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), m));
+        W[1] = _mm256_or_si256(W[1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), m));
+        W[2] = _mm256_or_si256(W[2], _mm256_and_si256(hv, m));
+        W[3] = _mm256_or_si256(W[3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), m));
+    }
+}
+
+/* The codes of half h (rows 16 h .. 16 h + 15 of the chunk) of the quad at p: W[0] rows
+ * 16 h + e, W[1] rows 16 h + 8 + e (element e). */
+AI void load_half_il(const uint8_t *p, const int h, const int BITS, __m256i W[2]) {
+    if (BITS == 8) {
+        W[0] = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+        W[1] = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+        return;
+    }
+    if (BITS == 6) { /* qlayout.py: rows 0..15 whole in bytes 0..63, rows 16..31 from a nibble and two bits */
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)p), v2 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        if (h == 0) {
+            const __m256i m63 = _mm256_set1_epi8(63);
+            W[0] = _mm256_and_si256(v1, m63);
+            W[1] = _mm256_and_si256(v2, m63);
+            return;
+        }
+        const __m256i nib = _mm256_loadu_si256((const __m256i *)(p + 64)), f = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+        W[0] = _mm256_or_si256(_mm256_and_si256(nib, f), _mm256_and_si256(_mm256_srli_epi16(v1, 2), top));
+        W[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib, 4), f), _mm256_and_si256(_mm256_srli_epi16(v2, 2), top));
+        return;
+    }
+    const __m256i u = _mm256_loadu_si256((const __m256i *)(p + 32 * h)), f = _mm256_set1_epi8(15);
+    W[0] = _mm256_and_si256(u, f);
+    W[1] = _mm256_and_si256(_mm256_srli_epi16(u, 4), f);
+    if (BITS == 5) {
+        const __m256i hv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + 64)));
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int t = 0; t < 2; t++) {
+            const int v = 2 * h + t;
+            const __m256i bit = join(_mm_set1_epi8((char)(1 << (2 * v))), _mm_set1_epi8((char)(1 << (2 * v + 1))));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit);
+            W[t] = _mm256_or_si256(W[t], _mm256_and_si256(set, sixteen));
+        }
+    }
+}
+
+/* The same four vectors from a quad-interleaved chunk at p (qlayout.py, interleaved=True):
+ * the bytes already in the order the column layout's interleave produces; the two halves. */
+AI void load_quad_il(const uint8_t *p, const int BITS, __m256i W[4]) {
+    load_half_il(p, 0, BITS, W);
+    load_half_il(p, 1, BITS, W + 2);
+}
+
+/* D and M (w = D q + M) of rows n .. n + 7 in group g. */
+AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
+    const size_t dg = (size_t)g * m->group / m->dgroup, nd = (size_t)(m->k / m->dgroup);
+    const size_t at = qm_fat(m, (size_t)g, (size_t)(m->k / m->group), n), dat = qm_fat(m, dg, nd, n);
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->d + dat)));
+    if (m->mn) { /* Q4_K / Q5_K: 6-bit scale and min of sub-block g % 8 */
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m->sc + at)));
+        const __m256i lo = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(m->mn + dat)), 4 * (g % 8));
+        const __m256i sc = _mm256_and_si256(b, _mm256_set1_epi32(63));
+        const __m256i mn = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(b, 6), 4), _mm256_and_si256(lo, _mm256_set1_epi32(15)));
+        d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        *D = d;
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dat)));
+        *M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
+        return;
+    }
+    if (m->sc) {
+        const __m128i s = _mm_loadl_epi64((const __m128i *)(m->sc + at));
+        d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(m->sc_signed ? _mm256_cvtepi8_epi32(s) : _mm256_cvtepu8_epi32(s)));
+    }
+    *D = d;
+    if (m->m) *M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m->m + dat)));
+    else *M = _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
+}
+
+/* Quads whose vpmaddubsw sums int16 lanes can add before they overflow: a lane holds two
+ * products q x, |q| <= 2^bits - 1 (Q8_0 through the sign trick: 128), |x| <= 127. */
+#define QUADS_PER_I16(BITS) ((BITS) == 4 ? 8 : (BITS) == 5 ? 4 : (BITS) == 6 ? 2 : 1)
+
+#if QM_VNNI
+/* acc[v] (int32) += the products of code vectors W[0 .. NV-1] with a quad of activations
+ * broadcast in xq, each element's four in one vpdpbusd; 8-bit codes are signed, so there
+ * |x| * sign(q, x). */
+AI void mac_quad(const __m256i *W, const int NV, __m256i xq, const int BITS, __m256i *acc) {
+    if (BITS == 8) {
+        const __m256i ax = _mm256_sign_epi8(xq, xq);
+        for (int v = 0; v < NV; v++) acc[v] = QM_DPBUSD(acc[v], ax, _mm256_sign_epi8(W[v], xq));
+        return;
+    }
+    for (int v = 0; v < NV; v++) acc[v] = QM_DPBUSD(acc[v], W[v], xq);
+}
+
+/* Quads summed before the sums are widened and weighted: int32 sums never overflow in a group. */
+#define QUADS_PER_RUN(BITS) 64
+
+/* A run's sums as int32, weighted by the row's sub-block scale (one int32 per element). */
+AI __m256i widen(__m256i s, __m256i wt, const int WEIGHTED) { return WEIGHTED ? _mm256_mullo_epi32(s, wt) : s; }
+#else
+/* acc[v] (int16 lanes) += the products of code vectors W[0 .. NV-1] with a quad of activations
+ * broadcast in xq; 8-bit codes are signed, so there |x| * sign(q, x), one quad per int16 run
+ * (the caller widens after each). */
+AI void mac_quad(const __m256i *W, const int NV, __m256i xq, const int BITS, __m256i *acc) {
+    if (BITS == 8) {
+        const __m256i ax = _mm256_sign_epi8(xq, xq);
+        for (int v = 0; v < NV; v++) acc[v] = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(W[v], xq));
+        return;
+    }
+    for (int v = 0; v < NV; v++) acc[v] = _mm256_add_epi16(acc[v], _mm256_maddubs_epi16(W[v], xq));
+}
+
+#define QUADS_PER_RUN(BITS) QUADS_PER_I16(BITS)
+
+/* A run's int16 sums widened to int32, each pair weighted by wt (the row's sub-block scale
+ * in both int16 of its element; 1 for the plain types). */
+AI __m256i widen(__m256i s, __m256i wt, const int WEIGHTED) {
+    (void)WEIGHTED;
+    return _mm256_madd_epi16(s, wt);
+}
+#endif
+
+/* The int32 sums of group g over the chunk at `row`, batch rows b0 .. b0 + BB - 1:
+ * acc[b][v] element e = sum over the group's slots of q (row + 8v + e) * qx (b0 + b). */
+AI void group_sums(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS,
+                   int prefetch, __m256i acc[PASS][4]) {
+    const size_t choff = (size_t)(row / 32) * (4 * BITS), stride = m->colstride;
+    const int s0 = a->goff[g], s1 = a->goff[g + 1];
+    const __m256i ones = _mm256_set1_epi16(1); /* the widening's weights: none */
+    for (int b = 0; b < BB; b++)
+        for (int v = 0; v < 4; v++) acc[b][v] = _mm256_setzero_si256();
+    const int pf = prefetch ? si4_prefetch_ahead * BITS / 4 : 0;
+    for (int i0 = s0; i0 < s1; i0 += 4 * QUADS_PER_RUN(BITS)) {
+        const int i1 = i0 + 4 * QUADS_PER_RUN(BITS) < s1 ? i0 + 4 * QUADS_PER_RUN(BITS) : s1;
+        __m256i acc16[PASS][4];
+        for (int b = 0; b < BB; b++)
+            for (int v = 0; v < 4; v++) acc16[b][v] = _mm256_setzero_si256();
+        for (int i = i0; i < i1; i += 4) {
+            __m256i W[4];
+            const uint8_t *p[4];
+            for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)a->cols[i + t] * stride + choff;
+            if (pf)
+                for (int t = 0; t < 4; t++) __builtin_prefetch(p[t] + pf, 0, 3);
+            load_quad(p, BITS, W);
+            for (int b = 0; b < BB; b++) {
+                int32_t q4;
+                memcpy(&q4, a->qx + (size_t)(b0 + b) * a->qx_stride + i, 4);
+                mac_quad(W, 4, _mm256_set1_epi32(q4), BITS, acc16[b]);
+            }
+        }
+        for (int b = 0; b < BB; b++)
+            for (int v = 0; v < 4; v++) acc[b][v] = _mm256_add_epi32(acc[b][v], widen(acc16[b][v], ones, 0));
+    }
+}
+
+/* y (8 rows) += D dx acc + M xs, in this order (both kernels: the same numbers per row). */
+AI __m256 flush(__m256 y, __m256 D, __m256 M, float dx, float xs, __m256i acc) {
+    const __m256 t = _mm256_fmadd_ps(M, _mm256_set1_ps(xs), y);
+    return _mm256_fmadd_ps(_mm256_mul_ps(D, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(acc), t);
+}
+
+/* One pass: batch rows b0 .. b0 + BB - 1 over the chunk at `row` of group g, into ybuf. */
+AI void pass(const qm_matrix *m, const qm_acts *a, int g, int row, int b0, const int BB, const int BITS, int prefetch,
+             float *ybuf) {
+    __m256i acc[PASS][4];
+    group_sums(m, a, g, row, b0, BB, BITS, prefetch, acc);
+    const int qb = g * m->group / QM_QBLOCK, B = a->batch;
+    for (int v = 0; v < 4; v++) {
+        __m256 D, M;
+        factors8(m, g, row + 8 * v, &D, &M);
+        for (int b = 0; b < BB; b++) {
+            float *y = ybuf + (size_t)(b0 + b) * m->npad + row + 8 * v;
+            _mm256_storeu_ps(y, flush(_mm256_loadu_ps(y), D, M, a->dx[(size_t)(b0 + b) * a->dx_stride + qb],
+                                      a->xs[(size_t)g * B + b0 + b], acc[b][v]));
+        }
+    }
+}
+
+/* Many rows of x (prefill): chunks of 32 rows outer, every group inner, each pass of two rows
+ * of x summing in registers: the chunk's codes of all groups (K / 2 bytes at 4 bits) stay in
+ * L1/L2 for every pass, and y is written once (the group-outer loop would read and write all
+ * of y once per group). */
+AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS) {
+    const int B = a->batch, G = g1 - g0;
+    __m256 *dm = aligned_alloc(32, sizeof(__m256) * 8 * (size_t)(G > 0 ? G : 1)); /* (group, v, D|M) */
+    if (!dm) return;
+    for (int row = row0; row < row1; row += 32) {
+        for (int g = g0; g < g1; g++)
+            for (int v = 0; v < 4; v++) factors8(m, g, row + 8 * v, &dm[((g - g0) * 4 + v) * 2], &dm[((g - g0) * 4 + v) * 2 + 1]);
+        for (int b0 = 0; b0 < B; b0 += PASS) {
+            const int BB = B - b0 >= 2 ? 2 : 1;
+            __m256 y[PASS][4];
+            for (int b = 0; b < PASS; b++)
+                for (int v = 0; v < 4; v++) y[b][v] = _mm256_setzero_ps();
+            for (int g = g0; g < g1; g++) {
+                if (a->goff[g] == a->goff[g + 1]) continue;
+                __m256i acc[PASS][4];
+                const int qb = g * m->group / QM_QBLOCK;
+                if (BB == 2) group_sums(m, a, g, row, b0, 2, BITS, 0, acc);
+                else group_sums(m, a, g, row, b0, 1, BITS, 0, acc);
+                for (int b = 0; b < BB; b++)
+                    for (int v = 0; v < 4; v++)
+                        y[b][v] = flush(y[b][v], dm[((g - g0) * 4 + v) * 2], dm[((g - g0) * 4 + v) * 2 + 1],
+                                        a->dx[(size_t)(b0 + b) * a->dx_stride + qb], a->xs[(size_t)g * B + b0 + b], acc[b][v]);
+            }
+            for (int b = 0; b < BB; b++)
+                for (int v = 0; v < 4; v++) _mm256_storeu_ps(ybuf + (size_t)(b0 + b) * m->npad + row + 8 * v, y[b][v]);
+        }
+    }
+    free(dm);
+}
+
+/* ---------------------------------------------------------------- quads of columns (interleaved)
+ *
+ * Dense decoding, verification of drafted tokens, batches and prefill. Tiles are in the order
+ * (chunk, group): the codes of 32 rows over all of K are one run. A chunk is taken in two
+ * halves of 16 rows; per half and pass of up to NB rows of x, the groups' int16 / int32 sums
+ * are made as the quads come (a half's codes unpacked once for all the pass's rows), and each
+ * row's float sums stay in registers across all of K: y is written once per half.
+ *
+ * Each factor is applied where it costs least:
+ *   Q4_K / Q5_K: the sub-block's 6-bit scale weights the int16 -> int32 widening (vpmaddwd by
+ *     the scale instead of by 1); per group one float multiply-add by its dx, and the
+ *     super-block's d and dmin once per 256 inputs:
+ *         y += d sum_g dx_g (sc_g S_g)  -  dmin sum_g mn_g xs_g
+ *   Q6_K: the int8 scale of each 16 inputs the same way, the two groups of a block of 32
+ *     summed in int32 before their dx:   y += d (sum_b dx_b P_b  -  32 sum_g sc_g xs_g)
+ *   the others (a factor per group of 32): y += D dx S + M xs per group (`flush`).
+ * Per row of x these are the same float operations in the same order at every batch size and
+ * pass width: a row's result does not depend on the rows computed beside it. */
+
+enum { KIND_PLAIN, KIND_KQ, KIND_Q6 };
+#define NB_MAX 4 /* rows of x per pass over a half in a decode step */
+
+/* A chunk's factors from row n on (interleaved: each array chunk by chunk, qm_fat): factor f
+ * of rows n .. n + 7 at [32 f] (d and m per super-block for the K-quants and Q6_K, per group of
+ * 32 for the others; sc per group; mn per super-block). */
+typedef struct {
+    const uint16_t *d, *m;
+    const uint8_t *sc;
+    const uint32_t *mn;
+} chunk_fac;
+
+AI chunk_fac chunk_factors(const qm_matrix *m, int n) {
+    const size_t nd = (size_t)(m->k / m->dgroup), ng = (size_t)(m->k / m->group);
+    const chunk_fac f = {
+        .d = m->d + qm_fat(m, 0, nd, n),
+        .m = m->m ? m->m + qm_fat(m, 0, nd, n) : NULL,
+        .sc = m->sc ? m->sc + qm_fat(m, 0, ng, n) : NULL,
+        .mn = m->mn ? m->mn + qm_fat(m, 0, nd, n) : NULL,
+    };
+    return f;
+}
+
+/* A group's factors for 8 rows of W, shared by every row of x: the widening weights (each
+ * row's int16 pair (sc, sc) per int32 element: 1 for the plain types), and D, M (plain: y +=
+ * D dx S + M xs) or what multiplies xs (Q4_K / Q5_K the 6-bit min, Q6_K the scale). */
+typedef struct {
+    __m256i wt;
+    __m256 D, M, mnf;
+} fac8;
+
+AI void group_factors(const qm_matrix *m, const chunk_fac *cf, unsigned g, int t, const int KIND, fac8 *f) {
+    if (KIND == KIND_PLAIN) {
+        f->wt = _mm256_set1_epi16(1);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->d + 32 * g + 8 * t)));
+        f->D = d; /* the same numbers as factors8 */
+        f->M = cf->m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->m + 32 * g + 8 * t)))
+                     : _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
+        return;
+    }
+    const uint8_t *sc = cf->sc + 32 * g + 8 * t;
+    const __m256i b8 = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)sc));
+    if (KIND == KIND_KQ) {
+        const __m256i b32 = _mm256_cvtepu8_epi32(_mm256_castsi256_si128(b8)); /* byte r in element r */
+#if QM_VNNI /* the scale is the byte's low 6 bits */
+        f->wt = _mm256_and_si256(b32, _mm256_set1_epi32(63));
+#else /* ... in both int16 of the element */
+        const __m256i at = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5, -1, 5,
+                                            -1, 6, -1, 6, -1, 7, -1, 7, -1);
+        f->wt = _mm256_and_si256(_mm256_shuffle_epi8(b8, at), _mm256_set1_epi16(63));
+#endif
+        /* the min: the byte's top 2 bits above the low nibble of its word */
+        const __m256i lo = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(cf->mn + 32 * (g / 8) + 8 * t)),
+                                            _mm_cvtsi32_si128((int)(4 * (g % 8))));
+        const __m256i top = _mm256_srli_epi32(_mm256_and_si256(b32, _mm256_set1_epi32(0xc0)), 2);
+        f->mnf = _mm256_cvtepi32_ps(_mm256_or_si256(top, _mm256_and_si256(lo, _mm256_set1_epi32(15))));
+        return;
+    }
+    const __m256i s32 = _mm256_cvtepi8_epi32(_mm256_castsi256_si128(b8)); /* Q6_K: signed byte r in element r */
+#if QM_VNNI
+    f->wt = s32;
+#else /* into the high bytes of both int16, then down */
+    const __m256i at = _mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5, -1, 5,
+                                        -1, 6, -1, 6, -1, 7, -1, 7);
+    f->wt = _mm256_srai_epi16(_mm256_shuffle_epi8(b8, at), 8);
+#endif
+    f->mnf = _mm256_cvtepi32_ps(s32);
+}
+
+/* The running sums of one row of x for 8 rows of W: y, and for the K-quants and Q6_K the
+ * super-block's fs, fm and (Q6_K) the int32 sums of a block of 32. */
+typedef struct {
+    __m256 y, fs, fm;
+    __m256i blk;
+} acc8;
+
+/* acc[b][t] element e = sum over the group's quads (tile at p) of q(row 16 h + 8 t + e) * qx,
+ * weighted by the row's sub-block scale in f[t].wt, for the BB rows of x at qx[b * qs]. */
+AI void group_sums_il(const uint8_t *p, const int8_t *qx, size_t qs, const int h, const int BB, const int BITS,
+                      const int KIND, const fac8 f[2], __m256i acc[NB_MAX][2]) {
+    const int NQ = (BITS == 6 ? 16 : 32) / 4, RUN = QUADS_PER_RUN(BITS) < NQ ? QUADS_PER_RUN(BITS) : NQ;
+    for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+    for (int i0 = 0; i0 < NQ; i0 += RUN) { /* RUN divides NQ */
+        __m256i s16[NB_MAX][2];
+        for (int b = 0; b < BB; b++) s16[b][0] = s16[b][1] = _mm256_setzero_si256();
+        /* unrolled whole, GCC hoists every quad's loads and unpacking ahead and spills them */
+#pragma GCC unroll 2
+        for (int i = i0; i < i0 + RUN; i++) {
+            __m256i W[2];
+            load_half_il(p + (size_t)i * (16 * BITS), h, BITS, W);
+            for (int b = 0; b < BB; b++) {
+                int32_t q4;
+                memcpy(&q4, qx + (size_t)b * qs + 4 * i, 4);
+                mac_quad(W, 2, _mm256_set1_epi32(q4), BITS, s16[b]);
+            }
+        }
+        for (int b = 0; b < BB; b++)
+            for (int t = 0; t < 2; t++)
+                acc[b][t] = _mm256_add_epi32(acc[b][t], widen(s16[b][t], f[t].wt, KIND != KIND_PLAIN));
+    }
+}
+
+/* One row of x's float update by a group's int32 sums (the same operations on every path).
+ * Q6_K: `first` is the first group of a block of 32, whose sums wait for the second's. */
+AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, const int KIND, int first) {
+    if (KIND == KIND_PLAIN) {
+        s->y = flush(s->y, f->D, f->M, dx, xs, acc);
+        return;
+    }
+    s->fm = _mm256_fmadd_ps(f->mnf, _mm256_set1_ps(xs), s->fm);
+    if (KIND == KIND_KQ) { /* a group is a block of 32 */
+        s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dx), s->fs);
+    } else if (first) {
+        s->blk = acc;
+    } else {
+        s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s->blk, acc)), _mm256_set1_ps(dx), s->fs);
+    }
+}
+
+/* The super-block's d (and dmin) into y, after its last group. */
+AI void superblock_update(acc8 *s, __m256 d, __m256 dmin, const int KIND) {
+    if (KIND == KIND_KQ) s->y = _mm256_fnmadd_ps(dmin, s->fm, _mm256_fmadd_ps(d, s->fs, s->y));
+    else s->y = _mm256_fmadd_ps(d, _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), s->fm, s->fs), s->y);
+    s->fs = s->fm = _mm256_setzero_ps();
+}
+
+/* Half h (rows n .. n + 15) of the chunk at `chunk` over all of K, for rows [b0, b0 + BB) of x
+ * (BB <= NB_MAX: their sums in registers), or with `s` for every row of x (groups outer, the
+ * rows' sums in s, each group's factors computed once for all of them); y written to ybuf.
+ * Interleaved x: row b's qx of group g at qx + b * qs + GROUP g (every column has its slot). */
+AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0, const int BB,
+                  acc8 (*big)[2], float *ybuf, const int BITS, const int KIND, int pf) {
+    const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP;
+    const unsigned G = (unsigned)m->k / GROUP, B = (unsigned)a->batch, NR = big ? B : (unsigned)BB;
+    const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS), qs = a->qx_stride;
+    const chunk_fac cf = chunk_factors(m, n);
+    acc8 reg[NB_MAX][2], (*s)[2] = big ? big : reg;
+    for (unsigned b = 0; b < NR; b++)
+        for (int t = 0; t < 2; t++) {
+            s[b][t].y = s[b][t].fs = s[b][t].fm = _mm256_setzero_ps();
+            s[b][t].blk = _mm256_setzero_si256();
+        }
+    for (unsigned sb = 0; sb < G / PER_SB; sb++) {
+        for (unsigned j = 0; j < PER_SB; j++) {
+            const unsigned g = sb * PER_SB + j, qb = g * GROUP / QM_QBLOCK;
+            const uint8_t *p = chunk + (size_t)g * tile_bytes;
+            if (pf) /* the tile's lines, once, ahead of the stream */
+                for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
+            fac8 f[2];
+            for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
+            const int8_t *qx = a->qx + (size_t)g * GROUP;
+            for (unsigned c0 = big ? 0 : (unsigned)b0; c0 < (big ? B : (unsigned)b0 + 1); c0 += NB_MAX) {
+                const unsigned rows = big ? (B - c0 < NB_MAX ? B - c0 : NB_MAX) : (unsigned)BB, r0 = big ? c0 : 0;
+                __m256i acc[NB_MAX][2];
+#define PASS_ROWS(BB_)                                                                                          \
+    do {                                                                                                        \
+        group_sums_il(p, qx + (size_t)c0 * qs, qs, h, BB_, BITS, KIND, f, acc);                                       \
+        for (int b = 0; b < BB_; b++)                                                                           \
+            for (int t = 0; t < 2; t++)                                                                         \
+                group_update(&s[r0 + b][t], &f[t], acc[b][t], a->dx[(size_t)(c0 + b) * a->dx_stride + qb],      \
+                             a->xs[(size_t)g * B + c0 + b], KIND, j % 2 == 0);                                  \
+    } while (0)
+                if (!big) PASS_ROWS(BB);
+                else switch (rows) {
+                    case 1: PASS_ROWS(1); break;
+                    case 2: PASS_ROWS(2); break;
+                    case 3: PASS_ROWS(3); break;
+                    default: PASS_ROWS(4); break;
+                    }
+#undef PASS_ROWS
+            }
+        }
+        if (KIND != KIND_PLAIN)
+            for (int t = 0; t < 2; t++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.d + 32 * sb + 8 * t)));
+                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.m + 32 * sb + 8 * t)))
+                                                    : _mm256_setzero_ps();
+                for (unsigned b = 0; b < NR; b++) superblock_update(&s[b][t], d, dmin, KIND);
+            }
+    }
+    for (unsigned b = 0; b < NR; b++)
+        for (int t = 0; t < 2; t++)
+            _mm256_storeu_ps(ybuf + (size_t)((big ? 0 : b0) + b) * m->npad + n + 8 * t, s[b][t].y);
+}
+
+/* Rows [row0, row1) of W over all of its groups (calls are split by rows: g0 = 0, g1 = K / group). */
+AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS, const int KIND) {
+    const int B = a->batch;
+    const int pf0 = si4_prefetch_ahead * BITS / 4 * 4;
+    acc8 (*big)[2] = NULL; /* prefill: every row's sums */
+    if (B > SI4_MAX_BATCH && !(big = aligned_alloc(32, sizeof(acc8) * 2 * (size_t)B))) return;
+    for (int row = row0; row < row1; row += 32) {
+        const uint8_t *chunk = qm_tile(m, row / 32, 0);
+#define HALF(H)                                                                                                 \
+    do {                                                                                                        \
+        const int n = row + 16 * (H), pf = (H) == 0 ? pf0 : 0; /* each line once, ahead of the stream */        \
+        if (big) {                                                                                              \
+            half_pass(m, a, chunk, n, H, 0, 0, big, ybuf, BITS, KIND, pf);                                      \
+            break;                                                                                              \
+        }                                                                                                       \
+        for (int b0 = 0; b0 < B; b0 += NB_MAX) /* a decode step: passes of rows in registers */                 \
+            switch (B - b0 < NB_MAX ? B - b0 : NB_MAX) {                                                        \
+            case 1: half_pass(m, a, chunk, n, H, b0, 1, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;            \
+            case 2: half_pass(m, a, chunk, n, H, b0, 2, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;            \
+            case 3: half_pass(m, a, chunk, n, H, b0, 3, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;            \
+            default: half_pass(m, a, chunk, n, H, b0, 4, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;           \
+            }                                                                                                   \
+    } while (0)
+        HALF(0);
+        HALF(1);
+#undef HALF
+    }
+    free(big);
+}
+
+/* kernel_il with the matrix's factor kind as a compile-time constant. */
+AI void kernel_il_kinds(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS) {
+    if ((BITS == 4 || BITS == 5) && m->mn) kernel_il(m, a, row0, row1, ybuf, BITS, KIND_KQ);
+    else if (BITS == 6) kernel_il(m, a, row0, row1, ybuf, BITS, KIND_Q6);
+    else kernel_il(m, a, row0, row1, ybuf, BITS, KIND_PLAIN);
+}
+
+AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
+              const int IL) {
+    const int B = a->batch, cb = 4 * BITS;
+    if (IL) { /* split by rows only (module.c) */
+        kernel_il_kinds(m, a, row0, row1, ybuf, BITS);
+        return;
+    }
+    if (B > SI4_MAX_BATCH) {
+        wide(m, a, row0, row1, g0, g1, ybuf, BITS);
+        return;
+    }
+    for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
+    for (int g = g0; g < g1; g++) {
+        if (a->goff[g] == a->goff[g + 1]) continue; /* nothing kept: nothing read */
+        for (int row = row0; row < row1; row += 32) {
+            /* prefetch once per cache line of each column's run, on the first pass */
+            const int line = (int)(((size_t)(row / 32) * cb) % 64) < cb;
+            for (int b0 = 0; b0 < B; b0 += PASS) {
+                if (B - b0 >= 2) pass(m, a, g, row, b0, 2, BITS, line && !b0, ybuf);
+                else pass(m, a, g, row, b0, 1, BITS, line && !b0, ybuf);
+            }
+        }
+    }
+}
+
+/* CALL(BITS, IL) with m's bit width and layout as compile-time constants. */
+#define BY_FORMAT(m, CALL)                                                                    \
+    switch ((m)->bits * 2 + !!(m)->interleaved) {                                             \
+    case 8: CALL(4, 0); break;                                                                \
+    case 9: CALL(4, 1); break;                                                                \
+    case 10: CALL(5, 0); break;                                                               \
+    case 11: CALL(5, 1); break;                                                               \
+    case 12: CALL(6, 0); break;                                                               \
+    case 13: CALL(6, 1); break;                                                               \
+    case 16: CALL(8, 0); break;                                                               \
+    default: CALL(8, 1); break;                                                               \
+    }
+
+void QM_NAME(qm_kernel)(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf) {
+#define KERNEL(BITS, IL) kernel(m, a, row0, row1, g0, g1, ybuf, BITS, IL)
+    BY_FORMAT(m, KERNEL)
+#undef KERNEL
+}
+
+#if !QM_VNNI /* the VNNI variants share these with AVX2 (no dot products in them) */
+/* Columns [j0, j1), rows [row0, row1) of W as float32, transposed (qmat.h), a quad of columns
+ * and 32 rows at a time through the kernels' own code loads. */
+AI void dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride, const int BITS,
+                const int IL) {
+    const int cb = 4 * BITS;
+    for (int j = j0 & ~3; j < j1; j += 4) {
+        const int g = j / m->group;
+        for (int row = row0; row < row1; row += 32) {
+            __m256i W[4];
+            if (IL) {
+                load_quad_il(qm_tile(m, row / 32, g) + (size_t)(j % m->group) / 4 * (4 * cb), BITS, W);
+            } else {
+                const uint8_t *p[4];
+                for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)(j + t) * m->colstride + (size_t)(row / 32) * cb;
+                load_quad(p, BITS, W);
+            }
+            for (int v = 0; v < 4; v++) {
+                __m256 D, M;
+                factors8(m, g, row + 8 * v, &D, &M);
+                for (int t = 0; t < 4; t++) {
+                    if (j + t < j0 || j + t >= j1) continue;
+                    const __m256i q = BITS == 8 ? _mm256_srai_epi32(_mm256_slli_epi32(W[v], 24 - 8 * t), 24)
+                                                : _mm256_and_si256(_mm256_srli_epi32(W[v], 8 * t), _mm256_set1_epi32(255));
+                    float *o = out + (size_t)(j + t - j0) * out_stride + (row - row0) + 8 * v;
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(q), M));
+                }
+            }
+        }
+    }
+}
+
+void qm_dequant_avx2(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride) {
+#define DEQUANT(BITS, IL) dequant(m, j0, j1, row0, row1, out, out_stride, BITS, IL)
+    BY_FORMAT(m, DEQUANT)
+#undef DEQUANT
+}
+
+/* qm_dense_prepare (qmat_scalar.c) eight inputs at a time: the same float operations
+ * (vcvtps2dq rounds to nearest even, as lrintf), so every ISA gives the same qx, dx and xs. */
+void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, int group, int8_t *qx,
+                           size_t qx_stride, float *dx, size_t dx_stride, float *xs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int b = 0; b < batch; b++) {
+        const float *xb = x + (size_t)b * x_stride;
+        int8_t *qb = qx + (size_t)b * qx_stride;
+        for (int q = 0; q < k / QM_QBLOCK; q++) {
+            const float *p = xb + q * QM_QBLOCK;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(p + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            dx[(size_t)b * dx_stride + q] = d;
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256i r[4];
+            for (int i = 0; i < 4; i++) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));
+            /* int32 -> int8, in order: packs work within 128-bit lanes, a permute restores it */
+            const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qb + q * QM_QBLOCK), bytes);
+        }
+        for (int g = 0; g < k / group; g++) {
+            int32_t isum = 0;
+            for (int j = g * group; j < (g + 1) * group; j++) isum += qb[j];
+            xs[(size_t)g * batch + b] = (float)isum * dx[(size_t)b * dx_stride + g * group / QM_QBLOCK];
+        }
+    }
+}
+#endif
