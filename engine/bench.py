@@ -13,10 +13,12 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import statistics
 import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .engine import Engine
@@ -72,34 +74,97 @@ def _kv_value_bytes(engine: Engine) -> float:
     return 2.0  # llama.cpp's default f16 KV cache
 
 
+class _EngineProcess:
+    """An engine loaded in a process of its own, asked for one request at a time over a pipe.
+
+    `bench decode` keeps its backends apart: in one process, the paged engine's threads made
+    llama.cpp's OpenMP threads wait by sleeping instead of spinning (libgomp stops spinning
+    when a process holds more OpenMP threads than it has CPUs), which cost llama.cpp a third
+    of its decode speed on a two-core machine. Each backend alone in its process is what a
+    user runs."""
+
+    def __init__(self, plan: Plan, warmup: list[dict[str, str]]) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no copy of this process's threads or torch state
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_engine_process, args=(child, plan, warmup), daemon=True)
+        self._proc.start()
+        child.close()
+        kind, value = self._recv()
+        if kind == "error":
+            self.close()
+            raise value
+        self.info: dict[str, float] = value
+
+    def _recv(self) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the benchmark's engine process ended (exit code {self._proc.exitcode})") from None
+
+    def run(self, messages: list[dict[str, str]], max_tokens: int, ignore_eos: bool = False) -> Stats:
+        self._conn.send((messages, max_tokens, ignore_eos))
+        kind, value = self._recv()
+        if kind == "error":
+            raise value
+        return value
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._conn.close()
+
+
+def _engine_process(conn: Connection, plan: Plan, warmup: list[dict[str, str]]) -> None:
+    """The child of `_EngineProcess`: load, warm up, then answer requests until told to stop."""
+    try:
+        engine = Engine.load(plan)
+    except Exception as e:  # noqa: BLE001 - handed to the parent, which raises it
+        conn.send(("error", e))
+        return
+    with engine:
+        _run(engine, warmup, 8)  # first-call allocations, caches
+        kv_value = _kv_value_bytes(engine)
+        conn.send(("ready", {"weight_bytes": _weight_bytes(engine),
+                             "kv_bytes_per_token": engine.model.spec.kv_bytes_per_token(kv_value)}))
+        while (job := conn.recv()) is not None:
+            try:
+                conn.send(("stats", _run(engine, *job).stats))
+            except Exception as e:  # noqa: BLE001
+                conn.send(("error", e))
+
+
 def bench_decode(
     model: str | None, backends: list[str], max_tokens: int = 128, n_ctx: int = 2048, rounds: int = 3,
     threads: int | None = None,
 ) -> dict[str, Any]:
-    """Every backend loaded at once, then `rounds` rounds of one request per backend in turn:
-    a machine whose memory bandwidth drifts (shared hosts: a third, here) moves all of them
-    alike, so the per-round ratios to the first backend mean something even when the absolute
-    figures drift. Each backend's figures are from its median round."""
+    """Every backend loaded at once, each in a process of its own (`_EngineProcess`), then
+    `rounds` rounds of one request per backend in turn: a machine whose memory bandwidth
+    drifts (shared hosts: a third, here) moves all of them alike, so the per-round ratios to
+    the first backend mean something even when the absolute figures drift. Each backend's
+    figures are from its median round."""
     bandwidth = measure_bandwidth_gb_s()
     out: dict[str, Any] = {"scenario": "decode", "bandwidth_gb_s": round(bandwidth, 2), "backends": {}}
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
-    engines: dict[str, Engine] = {}
+    engines: dict[str, _EngineProcess] = {}
     try:
         for name in backends:
-            engines[name] = Engine.load(Plan(model=model, backend=name, n_ctx=n_ctx, threads=threads))
-            _run(engines[name], messages, 8)  # warm up (first-call allocations, caches)
+            engines[name] = _EngineProcess(Plan(model=model, backend=name, n_ctx=n_ctx, threads=threads), messages)
         runs: dict[str, list[Stats]] = {name: [] for name in backends}
         for i in range(rounds):
             prompt = [{"role": "user", "content": m["content"] + f" ({i})"} for m in messages]
             for name in backends:
-                runs[name].append(_run(engines[name], prompt, max_tokens, ignore_eos=True).stats)
+                runs[name].append(engines[name].run(prompt, max_tokens, ignore_eos=True))
         first = backends[0]
         for name in backends:
-            engine = engines[name]
+            info = engines[name].info
             s = _median_stats(runs[name])
             context = s.prompt_tokens + s.completion_tokens / 2  # mean context while decoding
-            kv_bytes = engine.model.spec.kv_bytes_per_token(_kv_value_bytes(engine)) * context
-            per_token = _weight_bytes(engine) + kv_bytes
+            per_token = info["weight_bytes"] + info["kv_bytes_per_token"] * context
             ratios = [(a.decode_tok_s or 0) / (b.decode_tok_s or 1) for a, b in zip(runs[name], runs[first])]
             out["backends"][name] = {
                 "ttft_s": s.ttft_s,
