@@ -29,8 +29,8 @@ from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 from .backends.base import Backend
 from .chat_template import ChatTemplate, fallback_template, template_source
 from .grammar import check_grammar
-from .tokenizer import start_tokenizer
 from .plan import DEFAULT_MAX_CTX, Plan
+from .tokenizer import start_tokenizer
 from .types import Event, Message, Request
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.sparse_int4 import kernels
 from llmlocal.native.sparse_int4.linear import QuantLinear
-from llmlocal.native.sparse_int4.qlayout import QuantCodes, QuantRows
+from llmlocal.native.sparse_int4.qlayout import QuantRows
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..model_runner import ModelRunner
