@@ -20,9 +20,9 @@
  *   qmat_avx512vnni.c  with AVX512-VNNI on 256-bit registers (Cascade Lake, Ice Lake, Sapphire
  *                      Rapids, Zen 4): vpdpbusd adds the four products of each int32 element
  *                      to it in one instruction, with no int16 stage to widen; the sub-block
- *                      scales then multiply the int32 sums (vpmulld), which gives the same
- *                      integers as weighting the widening, so every variant computes the same
- *                      floats. Each is called only on CPUs that have its instructions. */
+ *                      scales then multiply the int32 sums (Q6_K: vpmulld; Q4_K / Q5_K: as
+ *                      floats, exactly), which gives the same numbers as weighting the
+ *                      widening, so every variant computes the same floats. Each is called only on CPUs that have its instructions. */
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
@@ -355,7 +355,7 @@ AI chunk_fac chunk_factors(const qm_matrix *m, int n) {
  * D dx S + M xs) or what multiplies xs (Q4_K / Q5_K the 6-bit min, Q6_K the scale). */
 typedef struct {
     __m256i wt;
-    __m256 D, M, mnf;
+    __m256 D, M, mnf, wf; /* wf: the scales as floats where not INT_SCALED */
 } fac8;
 
 AI void group_factors(const qm_matrix *m, const chunk_fac *cf, unsigned g, int t, const int KIND, fac8 *f) {
@@ -372,7 +372,7 @@ AI void group_factors(const qm_matrix *m, const chunk_fac *cf, unsigned g, int t
     if (KIND == KIND_KQ) {
         const __m256i b32 = _mm256_cvtepu8_epi32(_mm256_castsi256_si128(b8)); /* byte r in element r */
 #if QM_VNNI /* the scale is the byte's low 6 bits */
-        f->wt = _mm256_and_si256(b32, _mm256_set1_epi32(63));
+        f->wf = _mm256_cvtepi32_ps(_mm256_and_si256(b32, _mm256_set1_epi32(63)));
 #else /* ... in both int16 of the element */
         const __m256i at = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5, -1, 5,
                                             -1, 6, -1, 6, -1, 7, -1, 7, -1);
@@ -403,8 +403,15 @@ typedef struct {
     __m256i blk;
 } acc8;
 
+/* Whether a group's int32 sums are weighted by the sub-block scales as integers (AVX2: in the
+ * widening; VNNI: vpmulld, for Q6_K) or, VNNI's Q4_K / Q5_K, as floats in group_update (one
+ * vmulps instead of vpmulld's two uops, 3-4% in prefill). Both are exact, the same floats:
+ * |sum| x scale <= 32 x 31 x 127 x 63 < 2^24. */
+#define INT_SCALED(KIND) ((KIND) == KIND_Q6 || ((KIND) == KIND_KQ && !QM_VNNI))
+
 /* acc[b][t] element e = sum over the group's quads (tile at p) of q(row 16 h + 8 t + e) * qx,
- * weighted by the row's sub-block scale in f[t].wt, for the BB rows of x at qx[b * qs]. */
+ * weighted by the row's sub-block scale in f[t].wt if INT_SCALED, for the BB rows of x at
+ * qx[b * qs]. */
 AI void group_sums_il(const uint8_t *p, const int8_t *qx, size_t qs, const int h, const int BB, const int BITS,
                       const int KIND, const fac8 f[2], __m256i acc[NB_BIG][2]) {
     const int NQ = (BITS == 6 ? 16 : 32) / 4, RUN = QUADS_PER_RUN(BITS) < NQ ? QUADS_PER_RUN(BITS) : NQ;
@@ -425,7 +432,7 @@ AI void group_sums_il(const uint8_t *p, const int8_t *qx, size_t qs, const int h
         }
         for (int b = 0; b < BB; b++)
             for (int t = 0; t < 2; t++)
-                acc[b][t] = _mm256_add_epi32(acc[b][t], widen(s16[b][t], f[t].wt, KIND != KIND_PLAIN));
+                acc[b][t] = _mm256_add_epi32(acc[b][t], widen(s16[b][t], f[t].wt, INT_SCALED(KIND)));
     }
 }
 
@@ -438,7 +445,8 @@ AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, co
     }
     s->fm = _mm256_fmadd_ps(f->mnf, _mm256_set1_ps(xs), s->fm);
     if (KIND == KIND_KQ) { /* a group is a block of 32 */
-        s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dx), s->fs);
+        const __m256 sums = INT_SCALED(KIND) ? _mm256_cvtepi32_ps(acc) : _mm256_mul_ps(_mm256_cvtepi32_ps(acc), f->wf);
+        s->fs = _mm256_fmadd_ps(sums, _mm256_set1_ps(dx), s->fs);
     } else if (first) {
         s->blk = acc;
     } else {
