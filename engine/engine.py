@@ -29,6 +29,8 @@ from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 from .backends.base import Backend
 from .chat_template import ChatTemplate, fallback_template, template_source
 from .grammar import check_grammar
+from .hardware import simd_features
+from .native_support import decodes_faster_natively
 from .plan import DEFAULT_MAX_CTX, Plan
 from .tokenizer import start_tokenizer
 from .types import Event, Message, Request
@@ -248,13 +250,16 @@ class Engine:
 def _auto_backend(model: ResolvedModel, plan: Plan) -> str:
     """A Hugging Face checkpoint, or a CUDA device: our paged engine. A GGUF on the CPU: the
     sparse engine when the file carries calibrated activation sparsity (and the native kernels
-    were built), else llama.cpp."""
+    were built), the paged engine where its native kernels decode the file faster than
+    llama.cpp on this CPU (as the planner prefers), else llama.cpp."""
     if model.spec.format != "gguf":
         return "paged"
     if plan.device == "cuda" or (plan.device == "auto" and _cuda_available()):
         return "paged"
     if model.spec.sparsity is not None and sparse_int4_runtime.built():
         return "sparse"
+    if decodes_faster_natively(model.spec, simd_features()):
+        return "paged"
     return "llamacpp"
 
 

@@ -20,7 +20,9 @@ order is, most important first:
     5. longer context
     6. full-precision KV cache
     7. draft model on
-    8. the backend `auto` would pick for the device (llamacpp on CPU, paged on CUDA)
+    8. the backend preferred on the device: paged on CUDA; on a CPU sparse for a file with
+       calibrated sparsity, paged where its native kernels decode the file faster than
+       llama.cpp on this CPU (native_support.decodes_faster_natively), else llamacpp
     9. more batch slots
    10. less memory
 """
@@ -39,6 +41,7 @@ from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .hardware import Hardware
 from .memory_model import DeviceMemory, estimate
+from .native_support import FASTER_ON_NAME, decodes_faster_natively, runs_natively
 from .plan import DEFAULT_MAX_CTX, Plan, paged_kv_dtype
 
 if TYPE_CHECKING:
@@ -283,12 +286,12 @@ def _offload(spec: ModelSpec, plan: Plan, hw: Hardware, budgets: dict[str, int],
 
 
 # ---- ranking ------------------------------------------------------------------------------
-def _key(c: Candidate, has_gpu: bool, wanted: int) -> tuple:
+def _key(c: Candidate, has_gpu: bool, wanted: int, simd: frozenset[str] = frozenset()) -> tuple:
     p = c.plan
     all_fastest = (p.device == "cuda" and (p.backend == "paged" or p.gpu_layers > c.spec.n_layers)) if has_gpu else True
     gpu_fraction = (min(p.gpu_layers, c.spec.n_layers) / c.spec.n_layers) if p.backend == "llamacpp" else (1.0 if p.device == "cuda" else 0.0)
     slots = (p.kv_blocks or 0) // -(-(p.n_ctx or 1) // p.block_size) if p.backend == "paged" else 1
-    cpu_default = "sparse" if getattr(c.spec, "sparsity", None) is not None else "llamacpp"
+    cpu_default = _cpu_backend(c.spec, simd)
     preferred_backend = p.backend == ("paged" if p.device == "cuda" else cpu_default)
     return (
         all_fastest,
@@ -302,6 +305,14 @@ def _key(c: Candidate, has_gpu: bool, wanted: int) -> tuple:
         slots,
         -c.total,
     )
+
+
+def _cpu_backend(spec: ModelSpec, simd: frozenset[str]) -> str:
+    """The backend preferred on a CPU: sparse for a file with calibrated sparsity, paged where its
+    native kernels decode the file faster than llama.cpp on this CPU, else llama.cpp."""
+    if getattr(spec, "sparsity", None) is not None:
+        return "sparse"
+    return "paged" if decodes_faster_natively(spec, simd) else "llamacpp"
 
 
 _KEY_WORDS = (
@@ -342,7 +353,7 @@ def choose(
         raise LLMLocalError(_no_candidate(variants, hardware, pins))
     wanted = {id(s): pins.n_ctx or default_ctx(s) for s in variants}
     ranked = sorted(
-        (Candidate(c.plan, c.spec, c.devices, c.budgets, _key(c, has_gpu, wanted[id(c.spec)])) for c in cands),
+        (Candidate(c.plan, c.spec, c.devices, c.budgets, _key(c, has_gpu, wanted[id(c.spec)], hardware.simd)) for c in cands),
         key=lambda c: c.key,
         reverse=True,
     )
@@ -391,6 +402,9 @@ def _reasons(best: Candidate, others: list[Candidate], ranked: list[Candidate], 
         out.append("every layer fits on the GPU")
     elif not hw.gpus:
         out.append("no GPU found: the CPU runs every layer")
+    backend_reason = _cpu_backend_reason(best, hw, pins)
+    if backend_reason:
+        out.append(backend_reason)
     default = default_ctx(spec)
     if pins.n_ctx:
         out.append(f"context {p.n_ctx}: as asked with --ctx")
@@ -413,6 +427,19 @@ def _reasons(best: Candidate, others: list[Candidate], ranked: list[Candidate], 
         why = _KEY_WORDS[_first_difference(best.key, ru.key)]
         out.append(f"runner-up: {ru.describe()}; it lost on {why}")
     return out
+
+
+def _cpu_backend_reason(best: Candidate, hw: Hardware, pins: Pins) -> str | None:
+    """Why this backend runs a GGUF on the CPU, when the planner chose it (not --backend)."""
+    p, spec = best.plan, best.spec
+    if pins.backend or p.device != "cpu" or spec.format != "gguf" or p.backend not in ("paged", "llamacpp"):
+        return None
+    if p.backend == "paged" and decodes_faster_natively(spec, hw.simd):
+        return f"paged: llmlocal's own kernels decode this file's types faster than llama.cpp on a CPU with {FASTER_ON_NAME}"
+    if p.backend == "llamacpp" and runs_natively(spec):
+        return (f"llamacpp: on a CPU without {FASTER_ON_NAME} llmlocal's own kernels decode this file about as fast "
+                "and load it slower (--backend paged batches requests, caches prefixes and drafts)")
+    return None
 
 
 def _first_difference(a: tuple, b: tuple) -> int:
@@ -459,7 +486,7 @@ def _nothing_fits(
         loose = Pins(**{**pins.__dict__, name: None})
         fit = [c for c in _candidates(variants, hw, loose, base, draft, backends) if c.fits]
         if fit:
-            best = max(fit, key=lambda c: _key(c, bool(hw.gpus), pins.n_ctx or default_ctx(c.spec)))
+            best = max(fit, key=lambda c: _key(c, bool(hw.gpus), pins.n_ctx or default_ctx(c.spec), hw.simd))
             value = {"n_ctx": best.plan.n_ctx, "gpu_layers": best.plan.gpu_layers, "backend": best.plan.backend,
                      "draft": "off", "kv_blocks": best.plan.kv_blocks, "device": best.plan.device}[name]
             return f"The model {needs}: use {label} {value}."

@@ -46,9 +46,19 @@ def starter_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def starter_cpu_backend() -> str:
+    """The backend `auto` runs the starter with on this CPU: the paged engine where its native
+    kernels were measured faster than llama.cpp (AVX512-VNNI), llama.cpp elsewhere."""
+    from llmlocal.engine.hardware import simd_features
+    from llmlocal.engine.native_support import decodes_faster_natively
+
+    return "paged" if decodes_faster_natively(resolve().spec, simd_features()) else "llamacpp"
+
+
+@pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
     """The starter model in the llamacpp backend, shared by the tests that only read from it."""
-    with Engine.load(Plan(n_ctx=2048)) as e:
+    with Engine.load(Plan(backend="llamacpp", n_ctx=2048)) as e:
         yield e
 
 

@@ -12,11 +12,13 @@ lock is not fair: a caller could wait many steps while the engine thread re-take
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -46,6 +48,16 @@ from ..step_masks import StepMasks
 from ..tokenizer import Tokenizer, start_tokenizer
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 from .paged_setup import check_same_vocabulary, load_draft, pick_device, pick_dtype, pick_kv_dtype
+
+# Engines not closed by their owner are closed at interpreter exit, while their threads still
+# run: finalizing the modules under a running decode loop aborted the process.
+_OPEN: weakref.WeakSet[PagedBackend] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_backends() -> None:
+    for backend in list(_OPEN):
+        backend.close()
 
 
 
@@ -118,6 +130,7 @@ class PagedBackend:
         self._masks: StepMasks | None = None  # made for the first request with a grammar
         self._thread = threading.Thread(target=self._loop, name="llmlocal-paged", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -171,6 +184,7 @@ class PagedBackend:
         return {}
 
     def close(self) -> None:
+        _OPEN.discard(self)
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=10)

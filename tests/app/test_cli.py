@@ -51,7 +51,8 @@ def test_run_json_prints_one_object_with_the_contract_keys() -> None:
     data = json.loads(result.stdout)  # exactly one JSON document, nothing else on stdout
     for key in ("text", "model", "backend", "prompt_tokens", "completion_tokens", "ttft_s", "decode_tok_s", "finish_reason"):
         assert key in data, key
-    assert data["model"] == "smollm2-135m" and data["backend"] == "llamacpp"
+    planned = json.loads(llmlocal("plan", "--json").stdout)  # `run` loads what `plan` chose
+    assert data["model"] == "smollm2-135m" and data["backend"] == planned["backend"]
     assert data["completion_tokens"] == 16 and data["finish_reason"] == "length"
     assert data["text"] and data["ttft_s"] > 0 and data["decode_tok_s"] > 0
 

@@ -182,20 +182,21 @@ def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 
 
 def test_plan_takes_model_context_and_backend_from_the_file_unless_a_flag_says_otherwise(
-    isolated_config: Path, starter_path: str, make_gguf, capsys: pytest.CaptureFixture[str]
+    isolated_config: Path, starter_path: str, starter_cpu_backend: str, make_gguf, capsys: pytest.CaptureFixture[str]
 ) -> None:
     built_in = plan_json(capsys)
-    assert (built_in["model_path"], built_in["n_ctx"], built_in["backend"]) == (starter_path, 8192, "llamacpp")
+    assert (built_in["model_path"], built_in["n_ctx"], built_in["backend"]) == (starter_path, 8192, starter_cpu_backend)
 
     mine = make_gguf(name="mine.gguf")
-    isolated_config.write_text(f'model = "{mine}"\nctx = 64\nbackend = "paged"\n')
+    other = "llamacpp" if starter_cpu_backend == "paged" else "paged"  # not what auto would pick
+    isolated_config.write_text(f'model = "{mine}"\nctx = 64\nbackend = "{other}"\n')
     from_file = plan_json(capsys)
-    assert (from_file["model_path"], from_file["n_ctx"], from_file["backend"]) == (str(mine), 64, "paged")
+    assert (from_file["model_path"], from_file["n_ctx"], from_file["backend"]) == (str(mine), 64, other)
 
     from_flags = plan_json(capsys, "smollm2-135m", "--ctx", "2048", "--backend", "llamacpp")
     assert (from_flags["model_path"], from_flags["n_ctx"], from_flags["backend"]) == (starter_path, 2048, "llamacpp")
     one_flag = plan_json(capsys, "--ctx", "32")
-    assert (one_flag["model_path"], one_flag["n_ctx"], one_flag["backend"]) == (str(mine), 32, "paged")
+    assert (one_flag["model_path"], one_flag["n_ctx"], one_flag["backend"]) == (str(mine), 32, other)
 
 
 def test_a_missing_default_model_names_the_file(isolated_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,8 +21,16 @@ def llmlocal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
     return subprocess.run([*LLMLOCAL, *args], check=False, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_plan_json_for_the_starter_on_the_cpu() -> None:
+def test_plan_picks_the_faster_engine_on_this_cpu_and_says_why(starter_cpu_backend: str) -> None:
     result = llmlocal("plan", "--device", "cpu", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["backend"] == starter_cpu_backend
+    assert any(r.startswith(f"{starter_cpu_backend}: ") and "AVX512-VNNI" in r for r in data["reasons"]), data["reasons"]
+
+
+def test_plan_json_for_the_starter_on_the_cpu() -> None:
+    result = llmlocal("plan", "--device", "cpu", "--backend", "llamacpp", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     for key in ("backend", "device", "gpu_layers", "n_ctx", "kv_dtype", "quant", "draft", "predicted_bytes",
@@ -39,7 +47,7 @@ def test_plan_json_for_the_starter_on_the_cpu() -> None:
 
 
 def test_plan_prints_a_bar_reasons_and_alternatives() -> None:
-    result = llmlocal("plan", "--device", "cpu", "--memory-budget", "2G")
+    result = llmlocal("plan", "--device", "cpu", "--backend", "llamacpp", "--memory-budget", "2G")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.startswith("smollm2-135m: llamacpp on the CPU, Q4_1, context 8192")
@@ -83,18 +91,18 @@ def test_planning_does_not_import_torch() -> None:
     assert json.loads(result.stdout)["n_ctx"] > 0
 
 
-def test_run_flags_pin_the_plan_and_the_planner_fills_the_rest() -> None:
+def test_run_flags_pin_the_plan_and_the_planner_fills_the_rest(starter_cpu_backend: str) -> None:
     args = build_parser().parse_args(["run", "Hi", "--ctx", "1024", "--gpu-layers", "0", "--memory-budget", "4G"])
     plan = plan_from_args(args)
-    assert (plan.n_ctx, plan.backend, plan.device, plan.gpu_layers) == (1024, "llamacpp", "cpu", 0)
+    assert (plan.n_ctx, plan.backend, plan.device, plan.gpu_layers) == (1024, starter_cpu_backend, "cpu", 0)
     assert plan.memory_budget == 4 << 30
     args = build_parser().parse_args(["run", "Hi", "--device", "cpu"])
     assert plan_from_args(args).n_ctx == 8192  # the default, chosen because it fits
 
 
-def test_run_loads_the_planned_context() -> None:
+def test_run_loads_the_planned_context(starter_cpu_backend: str) -> None:
     result = llmlocal("run", "Say hi.", "--json", "--temperature", "0", "--max-tokens", "2", "--device", "cpu",
                       "--memory-budget", "1G")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["backend"] == "llamacpp" and data["n_ctx"] == 8192
+    assert data["backend"] == starter_cpu_backend and data["n_ctx"] == 8192

@@ -17,8 +17,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 
 def is_freed(engine: Engine) -> bool:
-    # llama-cpp-python drops its model pointer when the model is freed.
-    return engine.backend._llm._model.model is None  # type: ignore[attr-defined]
+    """Whether the engine's model was closed: llama-cpp-python drops its model pointer; the
+    paged engine (what `auto` loads where it decodes faster) stops its decode loop."""
+    backend = engine.backend
+    if engine.backend_name == "llamacpp":
+        return backend._llm._model.model is None  # type: ignore[attr-defined]
+    return backend._closed and not backend._thread.is_alive()  # type: ignore[attr-defined]
 
 
 async def open_picker(pilot) -> ModelPicker:

@@ -141,6 +141,24 @@ def test_laptop_runs_the_starter_on_llamacpp_at_its_full_context() -> None:
     assert "runner-up: paged on the CPU" in _reasons(c) and "lost on the backend not preferred" in _reasons(c)
 
 
+def test_a_cpu_with_avx512_vnni_runs_the_starter_in_the_paged_engine_and_says_why() -> None:
+    """Where llmlocal's native kernels were measured faster than llama.cpp (AVX512-VNNI), a file
+    they run whole goes to the paged engine; on AVX2 alone (above) to llama.cpp, with the reason."""
+    vnni = Hardware(total_ram=8 * GIB, available_ram=int(5.5 * GIB), physical_cores=4,
+                    simd=AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+    c = choose([smollm2()], vnni)
+    assert (c.plan.backend, c.plan.device, c.plan.n_ctx) == ("paged", "cpu", 8192)
+    assert "paged: llmlocal's own kernels decode this file's types faster than llama.cpp on a CPU with AVX512-VNNI" in _reasons(c)
+    assert "runner-up: llamacpp on the CPU" in _reasons(c) and "lost on the backend not preferred" in _reasons(c)
+    avx2 = choose([smollm2()], LAPTOP_8GB)
+    assert avx2.plan.backend == "llamacpp" and "llamacpp: on a CPU without AVX512-VNNI" in _reasons(avx2)
+    # a pinned backend needs no reason; a type the native kernels do not read keeps llama.cpp
+    pinned = choose([smollm2()], vnni, Pins(backend="llamacpp"))
+    assert pinned.plan.backend == "llamacpp" and "AVX512-VNNI" not in _reasons(pinned)
+    f16 = model("SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, 8192, "F16", tied=True)
+    assert choose([f16], vnni).plan.backend == "llamacpp"
+
+
 def test_laptop_takes_q4_k_m_of_llama_8b_and_shortens_the_context() -> None:
     c = choose([llama_8b("Q4_K_M"), llama_8b("Q8_0")], LAPTOP_8GB)
     # Q8_0 (8.5 GB) cannot fit 5.5 GB; Q4_K_M fits with a q8_0 KV cache at 4096, not at 8192
