@@ -321,14 +321,7 @@ AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, i
  * pass width: a row's result does not depend on the rows computed beside it. */
 
 enum { KIND_PLAIN, KIND_KQ, KIND_Q6 };
-#define NB_MAX 4 /* rows of x per pass over a half in a decode step */
-/* ... and in prefill, where a wider pass shares each quad's unpacking between more rows of x:
- * 8 with AVX-512's 32 vector registers (16 sums, the codes and the broadcasts), else 4. */
-#ifdef QM_WIDE_PASS
-#define NB_BIG 8
-#else
-#define NB_BIG NB_MAX
-#endif
+#define NB_MAX 4 /* rows of x per pass over a half */
 
 /* A chunk's factors from row n on (interleaved: each array chunk by chunk, qm_fat): factor f
  * of rows n .. n + 7 at [32 f] (d and m per super-block for the K-quants and Q6_K, per group of
@@ -413,11 +406,11 @@ typedef struct {
  * weighted by the row's sub-block scale in f[t].wt if INT_SCALED, for the BB rows of x at
  * qx[b * qs]. */
 AI void group_sums_il(const uint8_t *p, const int8_t *qx, size_t qs, const int h, const int BB, const int BITS,
-                      const int KIND, const fac8 f[2], __m256i acc[NB_BIG][2]) {
+                      const int KIND, const fac8 f[2], __m256i acc[NB_MAX][2]) {
     const int NQ = (BITS == 6 ? 16 : 32) / 4, RUN = QUADS_PER_RUN(BITS) < NQ ? QUADS_PER_RUN(BITS) : NQ;
     for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
     for (int i0 = 0; i0 < NQ; i0 += RUN) { /* RUN divides NQ */
-        __m256i s16[NB_BIG][2];
+        __m256i s16[NB_MAX][2];
         for (int b = 0; b < BB; b++) s16[b][0] = s16[b][1] = _mm256_setzero_si256();
         /* unrolled whole, GCC hoists every quad's loads and unpacking ahead and spills them */
 #pragma GCC unroll 2
@@ -486,9 +479,9 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
             fac8 f[2];
             for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
             const int8_t *qx = a->qx + (size_t)g * GROUP;
-            for (unsigned c0 = big ? 0 : (unsigned)b0; c0 < (big ? B : (unsigned)b0 + 1); c0 += NB_BIG) {
-                const unsigned rows = big ? (B - c0 < NB_BIG ? B - c0 : NB_BIG) : (unsigned)BB, r0 = big ? c0 : 0;
-                __m256i acc[NB_BIG][2];
+            for (unsigned c0 = big ? 0 : (unsigned)b0; c0 < (big ? B : (unsigned)b0 + 1); c0 += NB_MAX) {
+                const unsigned rows = big ? (B - c0 < NB_MAX ? B - c0 : NB_MAX) : (unsigned)BB, r0 = big ? c0 : 0;
+                __m256i acc[NB_MAX][2];
 #define PASS_ROWS(BB_)                                                                                          \
     do {                                                                                                        \
         group_sums_il(p, qx + (size_t)c0 * qs, qs, h, BB_, BITS, KIND, f, acc);                                       \
@@ -502,15 +495,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
                     case 1: PASS_ROWS(1); break;
                     case 2: PASS_ROWS(2); break;
                     case 3: PASS_ROWS(3); break;
-#if NB_BIG == 8
-                    case 4: PASS_ROWS(4); break;
-                    case 5: PASS_ROWS(5); break;
-                    case 6: PASS_ROWS(6); break;
-                    case 7: PASS_ROWS(7); break;
-                    default: PASS_ROWS(8); break;
-#else
                     default: PASS_ROWS(4); break;
-#endif
                     }
 #undef PASS_ROWS
             }
