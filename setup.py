@@ -27,12 +27,35 @@ ISA_SOURCES = {
 }
 
 
+# Prefill's AMX tile multiplies (qmat_amx.c), where the compiler knows them (GCC 11, Clang 12).
+AMX_SOURCE = (f"{CSRC}/qmat_amx.c", ["-mamx-tile", "-mamx-int8", "-mavx512dq", *ISA_SOURCES[f"{CSRC}/qmat_avx512vnni.c"]])
+
+
+def _compiles(compiler, flags: list[str], build_temp: str) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the C compiler accepts these flags and the tile intrinsics with them."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=build_temp) as tmp:
+        src = os.path.join(tmp, "probe.c")
+        with open(src, "w") as f:
+            f.write("#include <immintrin.h>\nvoid probe(void) { _tile_zero(0); _tile_dpbsud(0, 1, 2); }\n")
+        try:
+            compiler.compile([src], output_dir=tmp, extra_postargs=flags)
+        except Exception:
+            return False
+    return True
+
+
 class BuildExt(build_ext):
     """Compiles each ISA variant with its flags, then links them into the extension."""
 
     def build_extension(self, ext: Extension) -> None:
-        isa_sources: dict[str, list[str]] = getattr(ext, "isa_sources", {})
+        isa_sources: dict[str, list[str]] = dict(getattr(ext, "isa_sources", {}))
         if isa_sources and self.compiler.compiler_type == "unix":
+            os.makedirs(self.build_temp, exist_ok=True)
+            if _compiles(self.compiler, AMX_SOURCE[1], self.build_temp):
+                isa_sources[AMX_SOURCE[0]] = AMX_SOURCE[1]
+                ext.define_macros = ext.define_macros + [("LLMLOCAL_AMX", "1")]
             objects: list[str] = []
             for source, flags in isa_sources.items():
                 objects += self.compiler.compile(
@@ -53,7 +76,7 @@ def sparse_int4_extension() -> Extension:
         "llmlocal.native.sparse_int4._kernels",
         sources=[f"{CSRC}/{name}" for name in ("module.c", "decode_stack.c", "int8_gemv.c", "pool.c", "dispatch.c", "isa_scalar.c", "qmat_scalar.c")],
         include_dirs=[CSRC],
-        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES),
+        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0]],
         extra_compile_args=["-std=c11", "-O3", "-pthread", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],
         libraries=["m"],

@@ -81,7 +81,8 @@ def cpu() -> dict[str, Any]:
 
 
 def native_kernels() -> dict[str, Any]:
-    """The sparse INT4 CPU kernels: whether they were compiled, and the ISA path they took."""
+    """The native CPU kernels: whether they were compiled, the ISA path they took, and the variant
+    the GGUF-type kernels run (VNNI, AMX in prefill)."""
     from llmlocal.native.sparse_int4 import runtime
 
     if not runtime.built():
@@ -91,6 +92,7 @@ def native_kernels() -> dict[str, Any]:
             "built": True,
             "isa": runtime.isa(),
             "best_isa": runtime.best_isa(),
+            "gguf_kernel": runtime.qmat_kernel(),  # the GGUF-type kernels' variant: avx2 ... avx512vnni-amx
             "forced_by": "LLMLOCAL_SPARSE_ISA" if os.environ.get("LLMLOCAL_SPARSE_ISA", "").strip() else None,
             "threads": runtime.num_threads(),
         }
@@ -209,7 +211,8 @@ def _native_text(n: dict[str, Any]) -> str:
     if "error" in n:
         return n["error"]
     forced = f", forced by {n['forced_by']}" if n["forced_by"] else ""
-    return f"sparse INT4 on the {n['isa']} path (best here: {n['best_isa']}{forced}), {n['threads']} threads"
+    return (f"{n['isa']} path (best here: {n['best_isa']}{forced}), GGUF types through {n['gguf_kernel']}, "
+            f"{n['threads']} threads")
 
 
 def _cuda_text(c: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ Environment (read when the kernels are first loaded):
     LLMLOCAL_SPARSE_SPIN_US=US               how long idle workers spin before sleeping (200)
     LLMLOCAL_QMAT_VNNI=0                     GGUF-type kernels without VNNI dot products
                                              (for measuring them; the results are the same)
+    LLMLOCAL_QMAT_AMX=0                      ... and prefill without AMX tiles (the same)
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def _configure(k: ModuleType) -> None:
     k.set_num_threads(int(threads) if threads else default_threads())
     if os.environ.get("LLMLOCAL_QMAT_VNNI", "").strip() == "0":
         k.set_qmat_vnni(False)
+    if os.environ.get("LLMLOCAL_QMAT_AMX", "").strip() == "0":
+        k.set_qmat_amx(False)
     spin = os.environ.get("LLMLOCAL_SPARSE_SPIN_US", "").strip()
     if spin:
         k.set_spin_us(int(spin))
@@ -89,7 +92,8 @@ def set_isa(name: str) -> None:
 
 
 def qmat_kernel() -> str:
-    """The GGUF-type kernel variant the current path runs: scalar, avx2, avxvnni or avx512vnni."""
+    """The GGUF-type kernel variant the current path runs: scalar, avx2, avxvnni, avx512vnni
+    or avx512vnni-amx (prefill's sums by AMX tiles)."""
     return kernels().qmat_kernel()
 
 
@@ -97,6 +101,12 @@ def set_qmat_vnni(on: bool) -> None:
     """Let the GGUF-type kernels use VNNI dot products where the CPU has them (the default);
     off, they run the AVX2 variant, which computes the same numbers."""
     kernels().set_qmat_vnni(on)
+
+
+def set_qmat_amx(on: bool) -> None:
+    """Let prefill in the GGUF-type kernels use AMX tiles where the CPU has them and the OS
+    grants them (the default); off, the VNNI kernel runs it, computing the same numbers."""
+    kernels().set_qmat_amx(on)
 
 
 def num_threads() -> int:

@@ -64,6 +64,13 @@ def test_cpu_features_and_the_kernels_isa_match_the_runtime(report: dict) -> Non
     # (Not runtime.isa() here: other tests in this process may have switched it.)
     assert native["isa"] == runtime.best_isa()
     assert native["forced_by"] is None
+    # the GGUF-type kernels' variant on that path: VNNI where the CPU has it, AMX in prefill
+    simd = set(report["cpu"]["simd"])
+    if native["isa"] == "avx512" and "avx512_vnni" in simd:
+        assert native["gguf_kernel"] in ("avx512vnni", "avx512vnni-amx")
+        assert (native["gguf_kernel"] == "avx512vnni-amx") <= ("amx_int8" in simd)
+    elif native["isa"] == "avx2":
+        assert native["gguf_kernel"] == ("avxvnni" if "avx_vnni" in simd else "avx2")
 
 
 def test_a_forced_isa_is_the_one_reported() -> None:
@@ -127,7 +134,8 @@ def test_text_output_says_the_same(report: dict, report_config: Path) -> None:
     assert rows["llama-cpp-python"] == report["versions"]["llama-cpp-python"]
     assert rows["textual"] == report["versions"]["textual"]
     assert rows["simd"] == " ".join(report["cpu"]["simd"])
-    assert rows["native kernels"].startswith(f"sparse INT4 on the {report['native_kernels']['isa']} path")
+    native = report["native_kernels"]
+    assert rows["native kernels"].startswith(f"{native['isa']} path") and f"through {native['gguf_kernel']}," in rows["native kernels"]
     assert rows["cuda"].startswith("available" if report["cuda"]["available"] else "not available: ")
     assert rows["llama.cpp offload"].startswith("yes" if report["llamacpp"]["gpu_offload"] else "no: ")
     assert rows["config"] == f"{report['paths']['config']['path']} (not created yet)"

@@ -104,7 +104,7 @@ def test_vnni_kernels_give_the_avx2_kernels_floats(isa: str, qtype: int, interle
     c = ql.decode(gguf_blocks(qtype, n, k, seed=5), qtype)
     p = ql.pack(c, interleaved)
     m = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, interleaved)
-    for batch in (1, 3, 8, 13, 64):  # 13: prefill passes of 8 rows of x and one of 5 (AVX-512)
+    for batch in (1, 3, 8, 13, 40, 64):  # prefill: 40 = two AMX blocks of 16 rows (where present) and 8 more
         for threshold in (None, 0.6):
             x = (4 * rng.standard_normal((batch, k))).astype(np.float32)  # large |qx|: no int16 slack
             ys = []
@@ -118,6 +118,32 @@ def test_vnni_kernels_give_the_avx2_kernels_floats(isa: str, qtype: int, interle
                 ys.append(y)
             assert runtime.qmat_kernel() == vnni
             np.testing.assert_array_equal(ys[0], ys[1], err_msg=f"{vnni} vs avx2, batch {batch}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_amx_prefill_gives_the_vnni_kernels_floats(qtype: int) -> None:
+    """Where the CPU has AMX, prefill's group sums come from tile multiplies (blocks of 16 rows
+    of x, the rest through the VNNI passes): bit for bit what the VNNI kernel computes."""
+    if runtime.qmat_kernel() != "avx512vnni-amx":
+        pytest.skip(f"no AMX prefill on this CPU or build ({runtime.qmat_kernel()})")
+    f = ql.FORMATS[qtype]
+    rng = np.random.default_rng(qtype + 7)
+    n, k = 96, 1024 if f.dgroup == 256 else 352
+    c = ql.decode(gguf_blocks(qtype, n, k, seed=9), qtype)
+    p = ql.pack(c, interleaved=True)
+    m = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, True)
+    for batch in (16, 21, 40, 64):
+        x = (4 * rng.standard_normal((batch, k))).astype(np.float32)
+        ys = {}
+        for amx in (True, False):
+            runtime.set_qmat_amx(amx)
+            try:
+                assert runtime.qmat_kernel() == ("avx512vnni-amx" if amx else "avx512vnni")
+                ys[amx] = np.full((batch, n), np.nan, dtype=np.float32)
+                m.gemv(x, ys[amx], batch, k, n, 0.0, True, None)
+            finally:
+                runtime.set_qmat_amx(True)
+        np.testing.assert_array_equal(ys[True], ys[False], err_msg=f"amx vs avx512vnni, batch {batch}")
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["columns", "quads"])

@@ -51,6 +51,7 @@ static struct {
 } S;
 static qm_kernel_fn g_qkernel;
 static int g_qvnni = 1; /* the quantized kernels take a VNNI variant where the CPU has one */
+static int g_qamx = 1;  /* ... and, in prefill, AMX tiles where the CPU has them */
 static qm_dequant_fn g_qdequant;
 
 static int grow(void **p, size_t *cap, size_t n, size_t elem) {
@@ -645,7 +646,7 @@ static PyObject *py_set_isa(PyObject *mod, PyObject *arg) {
     g_kernel8 = si8_kernel_for(isa);
     g_dequant = si4_dequant_for(isa);
     g_prepare = si4_prepare_for(isa);
-    g_qkernel = qm_kernel_for(isa, g_qvnni);
+    g_qkernel = qm_kernel_for(isa, g_qvnni, g_qamx);
     g_qdequant = qm_dequant_for(isa);
     g_dense_prepare = qm_dense_prepare_for(isa);
     pthread_mutex_unlock(&si4_call_lock);
@@ -658,7 +659,18 @@ static PyObject *py_set_qmat_vnni(PyObject *mod, PyObject *arg) {
     if (on < 0) return NULL;
     pthread_mutex_lock(&si4_call_lock);
     g_qvnni = on;
-    g_qkernel = qm_kernel_for(g_isa, g_qvnni);
+    g_qkernel = qm_kernel_for(g_isa, g_qvnni, g_qamx);
+    pthread_mutex_unlock(&si4_call_lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_qmat_amx(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    pthread_mutex_lock(&si4_call_lock);
+    g_qamx = on;
+    g_qkernel = qm_kernel_for(g_isa, g_qvnni, g_qamx);
     pthread_mutex_unlock(&si4_call_lock);
     Py_RETURN_NONE;
 }
@@ -875,8 +887,9 @@ static PyMethodDef module_methods[] = {
     {"to_f16", (PyCFunction)(void (*)(void))py_to_f16, METH_FASTCALL, "to_f16(x, out): float32 -> fp16 bits."},
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this ISA (scalar, avx2, avx512); at most best_isa()."},
     {"isa", py_isa, METH_NOARGS, "The ISA whose kernels run."},
-    {"qmat_kernel", py_qmat_kernel, METH_NOARGS, "The quantized-matrix kernel variant that runs: scalar, avx2, avxvnni or avx512vnni."},
+    {"qmat_kernel", py_qmat_kernel, METH_NOARGS, "The quantized-matrix kernel variant that runs: scalar, avx2, avxvnni, avx512vnni or avx512vnni-amx."},
     {"set_qmat_vnni", py_set_qmat_vnni, METH_O, "set_qmat_vnni(on): let the quantized-matrix kernels use VNNI where the CPU has it (default on)."},
+    {"set_qmat_amx", py_set_qmat_amx, METH_O, "set_qmat_amx(on): let the quantized-matrix kernels' prefill use AMX tiles where the CPU has them (default on)."},
     {"best_isa", py_best_isa, METH_NOARGS, "The best ISA this CPU and build support."},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads per GEMV, the caller included."},
     {"num_threads", py_num_threads, METH_NOARGS, "Threads per GEMV, the caller included."},
@@ -901,7 +914,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     g_kernel8 = si8_kernel_for(g_isa);
     g_dequant = si4_dequant_for(g_isa);
     g_prepare = si4_prepare_for(g_isa);
-    g_qkernel = qm_kernel_for(g_isa, g_qvnni);
+    g_qkernel = qm_kernel_for(g_isa, g_qvnni, g_qamx);
     g_qdequant = qm_dequant_for(g_isa);
     g_dense_prepare = qm_dense_prepare_for(g_isa);
     if (PyType_Ready(&si4_matrix_type) < 0 || PyType_Ready(&si4_qmatrix_type) < 0 || PyType_Ready(&si4_stack_type) < 0 || PyType_Ready(&si8_matrix_type) < 0)

@@ -76,11 +76,16 @@ void qm_kernel_scalar(const qm_matrix *m, const qm_acts *a, int row0, int row1, 
 void qm_kernel_avx2(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
 void qm_kernel_avxvnni(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
 void qm_kernel_avx512vnni(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
+#ifdef LLMLOCAL_AMX
+void qm_kernel_amx(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf);
+#endif
 #endif
 /* The kernel of an ISA path: on the AVX2 and AVX-512 paths the VNNI variant where the CPU has
- * one (AVX512-VNNI only on the AVX-512 path), unless `vnni` is 0. Every variant gives the same
- * floats (qmat_body.h). qm_kernel_name: "scalar", "avx2", "avxvnni" or "avx512vnni". */
-qm_kernel_fn qm_kernel_for(int isa, int vnni);
+ * one (AVX512-VNNI only on the AVX-512 path), unless `vnni` is 0; on the AVX-512 path with
+ * `amx`, the one whose prefill uses AMX tiles where the CPU has them and the OS grants them.
+ * Every variant gives the same floats (qmat_body.h). qm_kernel_name: "scalar", "avx2",
+ * "avxvnni", "avx512vnni" or "avx512vnni-amx". */
+qm_kernel_fn qm_kernel_for(int isa, int vnni, int amx);
 const char *qm_kernel_name(qm_kernel_fn f);
 
 /* Thresholds, compacts and quantizes x; returns the columns kept (by any row). Buffers: cols

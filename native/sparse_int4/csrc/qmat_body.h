@@ -454,18 +454,152 @@ AI void superblock_update(acc8 *s, __m256 d, __m256 dmin, const int KIND) {
     s->fs = s->fm = _mm256_setzero_ps();
 }
 
+#ifdef QM_AMX
+/* Prefill with AMX (Sapphire Rapids and later; qmat_amx.c): per group and half-chunk, the codes
+ * of its quads, unpacked as the VNNI kernel unpacks them, are one B tile (a row per quad: 16
+ * rows of W x 4 codes, the layout the tile multiply wants), 16 rows of x one A tile (their qx,
+ * straight from memory), and one tdpbsud (tdpbssd for Q8_0's signed codes) makes the 16 x 16
+ * int32 group sums the VNNI kernel makes in 64 vpdpbusd. The sums are the same integers, and
+ * group_update applies the same float operations to them: every row's floats are the VNNI
+ * kernel's. Rows of x beyond a multiple of 16 take the VNNI passes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* A row of x's running sums for the 16 rows of W of a half-chunk (acc8's two halves in one
+ * 512-bit vector each), and a group's factors for them (fac8's two halves). */
+typedef struct {
+    __m512 y, fs, fm;
+    __m512i blk;
+} acc16;
+
+typedef struct {
+    __m512i wt;
+    __m512 D, M, mnf, wf;
+} fac16;
+
+AI __m512 join_ps(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+AI __m512i join_si(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+AI fac16 join_factors(const fac8 f[2], const int KIND) {
+    fac16 F;
+    F.wt = KIND == KIND_Q6 ? join_si(f[0].wt, f[1].wt) : _mm512_setzero_si512();
+    if (KIND == KIND_PLAIN) {
+        F.D = join_ps(f[0].D, f[1].D), F.M = join_ps(f[0].M, f[1].M);
+        F.mnf = F.wf = _mm512_setzero_ps();
+    } else {
+        F.mnf = join_ps(f[0].mnf, f[1].mnf);
+        F.wf = KIND == KIND_KQ ? join_ps(f[0].wf, f[1].wf) : _mm512_setzero_ps();
+        F.D = F.M = _mm512_setzero_ps();
+    }
+    return F;
+}
+
+/* group_update (with the VNNI variant's scaling) on 16 rows of W at once: the same operations
+ * per element, so the same floats. */
+AI void group_update16(acc16 *s, const fac16 *f, __m512i acc, float dx, float xs, const int KIND, int first) {
+    if (KIND == KIND_PLAIN) {
+        const __m512 t = _mm512_fmadd_ps(f->M, _mm512_set1_ps(xs), s->y);
+        s->y = _mm512_fmadd_ps(_mm512_mul_ps(f->D, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(acc), t);
+        return;
+    }
+    s->fm = _mm512_fmadd_ps(f->mnf, _mm512_set1_ps(xs), s->fm);
+    if (KIND == KIND_KQ) {
+        s->fs = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), f->wf), _mm512_set1_ps(dx), s->fs);
+        return;
+    }
+    acc = _mm512_mullo_epi32(acc, f->wt);
+    if (first) s->blk = acc;
+    else s->fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s->blk, acc)), _mm512_set1_ps(dx), s->fs);
+}
+
+AI void superblock_update16(acc16 *s, __m512 d, __m512 dmin, const int KIND) {
+    if (KIND == KIND_KQ) s->y = _mm512_fnmadd_ps(dmin, s->fm, _mm512_fmadd_ps(d, s->fs, s->y));
+    else s->y = _mm512_fmadd_ps(d, _mm512_fnmadd_ps(_mm512_set1_ps(32.0f), s->fm, s->fs), s->y);
+    s->fs = s->fm = _mm512_setzero_ps();
+}
+
+/* Tiles for groups of `group` inputs: 0, 3, 4, 5 C (16 x 16 int32 sums, one per block of 16
+ * rows of x: prefill calls have at most QM_MAX_BATCH = 64 rows), 1 and 6 A (16 rows of x by
+ * the group's inputs, int8), 2 B (the group's quads by 16 rows of W, 4 codes each). */
+#define AMX_BLOCKS 4
+static inline void amx_configure(unsigned group) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    c.colsb[1] = c.colsb[6] = (uint16_t)group;
+    c.rows[2] = (uint8_t)(group / 4);
+    _tile_loadconfig(&c);
+}
+
+/* B: the codes of a group's quads (tile at p), unpacked as the VNNI kernel unpacks them, a
+ * row of 64 bytes per quad. */
+AI void amx_unpack(const uint8_t *p, const int h, const int BITS, uint8_t *bt) {
+    for (int i = 0; i < (BITS == 6 ? 16 : 32) / 4; i++) {
+        __m256i W[2];
+        load_half_il(p + (size_t)i * (16 * BITS), h, BITS, W);
+        _mm256_store_si256((__m256i *)(bt + 64 * i), W[0]);
+        _mm256_store_si256((__m256i *)(bt + 64 * i + 32), W[1]);
+    }
+}
+
+/* C tile c (0 .. 3: tiles 0, 3, 4, 5) = the 16 rows of x at `x` (through A tile 1 or 6, by
+ * parity) times B (tile 2); the tile numbers are immediates, hence the switches. */
+#define AMX_BLOCK(c, x, qs, BITS)                                                                   \
+    do {                                                                                          \
+        switch (c) {                                                                              \
+        case 0: AMX_MUL(0, 1, x, qs, BITS); break;                                                \
+        case 1: AMX_MUL(3, 6, x, qs, BITS); break;                                                \
+        case 2: AMX_MUL(4, 1, x, qs, BITS); break;                                                \
+        default: AMX_MUL(5, 6, x, qs, BITS); break;                                               \
+        }                                                                                         \
+    } while (0)
+#define AMX_MUL(C, A, x, qs, BITS)                                                                  \
+    do {                                                                                          \
+        _tile_zero(C);                                                                            \
+        _tile_loadd(A, (x), (long)(qs));                                                          \
+        if ((BITS) == 8) _tile_dpbssd(C, A, 2);                                                   \
+        else _tile_dpbsud(C, A, 2);                                                               \
+    } while (0)
+#define AMX_STORE(c, ct)                                                                            \
+    do {                                                                                          \
+        switch (c) {                                                                              \
+        case 0: _tile_stored(0, (ct), 64); break;                                                 \
+        case 1: _tile_stored(3, (ct), 64); break;                                                 \
+        case 2: _tile_stored(4, (ct), 64); break;                                                 \
+        default: _tile_stored(5, (ct), 64); break;                                                \
+        }                                                                                         \
+    } while (0)
+#endif
+
 /* Half h (rows n .. n + 15) of the chunk at `chunk` over all of K, for rows [b0, b0 + BB) of x
  * (BB <= NB_MAX: their sums in registers), or with `s` for every row of x (groups outer, the
  * rows' sums in s, each group's factors computed once for all of them); y written to ybuf.
  * Interleaved x: row b's qx of group g at qx + b * qs + GROUP g (every column has its slot). */
 AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0, const int BB,
-                  acc8 (*big)[2], float *ybuf, const int BITS, const int KIND, int pf) {
+                  acc8 (*big)[2], void *tiled, float *ybuf, const int BITS, const int KIND, int pf) {
     const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP;
     const unsigned G = (unsigned)m->k / GROUP, B = (unsigned)a->batch, NR = big ? B : (unsigned)BB;
     const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS), qs = a->qx_stride;
     const chunk_fac cf = chunk_factors(m, n);
     acc8 reg[NB_MAX][2], (*s)[2] = big ? big : reg;
-    for (unsigned b = 0; b < NR; b++)
+    unsigned R = 0; /* rows of x whose sums the tile multiply makes: whole blocks of 16, in prefill */
+#ifdef QM_AMX
+    acc16 *st = tiled;
+    uint8_t bts[2][8 * 64] __attribute__((aligned(64))); /* B of this group and the next */
+    int32_t ct[16 * 16] __attribute__((aligned(64)));   /* a C tile's sums */
+    if (big && st) R = (B < 16 * AMX_BLOCKS ? B : 16 * AMX_BLOCKS) / 16 * 16;
+    for (unsigned r = 0; r < R; r++) {
+        st[r].y = st[r].fs = st[r].fm = _mm512_setzero_ps();
+        st[r].blk = _mm512_setzero_si512();
+    }
+#else
+    (void)tiled;
+#endif
+    for (unsigned b = R; b < NR; b++)
         for (int t = 0; t < 2; t++) {
             s[b][t].y = s[b][t].fs = s[b][t].fm = _mm256_setzero_ps();
             s[b][t].blk = _mm256_setzero_si256();
@@ -479,7 +613,27 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
             fac8 f[2];
             for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
             const int8_t *qx = a->qx + (size_t)g * GROUP;
-            for (unsigned c0 = big ? 0 : (unsigned)b0; c0 < (big ? B : (unsigned)b0 + 1); c0 += NB_MAX) {
+#ifdef QM_AMX
+            if (R) {
+                /* this group's tile multiplies first, then the next group's codes unpacked while
+                 * they run, then this group's float updates from their sums */
+                uint8_t *bt = bts[g % 2];
+                if (g == 0) amx_unpack(p, h, BITS, bt);
+                _tile_loadd(2, bt, 64);
+                for (unsigned c = 0; c < R / 16; c++) AMX_BLOCK(c, qx + (size_t)(16 * c) * qs, qs, BITS);
+                if (g + 1 < G) amx_unpack(p + tile_bytes, h, BITS, bts[(g + 1) % 2]);
+                const fac16 F = join_factors(f, KIND);
+                for (unsigned c = 0; c < R / 16; c++) {
+                    AMX_STORE(c, ct);
+                    for (unsigned b = 0; b < 16; b++) {
+                        const unsigned r = 16 * c + b;
+                        group_update16(&st[r], &F, _mm512_load_si512(ct + 16 * b), a->dx[(size_t)r * a->dx_stride + qb],
+                                       a->xs[(size_t)g * B + r], KIND, j % 2 == 0);
+                    }
+                }
+            }
+#endif
+            for (unsigned c0 = big ? R : (unsigned)b0; c0 < (big ? B : (unsigned)b0 + 1); c0 += NB_MAX) {
                 const unsigned rows = big ? (B - c0 < NB_MAX ? B - c0 : NB_MAX) : (unsigned)BB, r0 = big ? c0 : 0;
                 __m256i acc[NB_MAX][2];
 #define PASS_ROWS(BB_)                                                                                          \
@@ -500,15 +654,26 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
 #undef PASS_ROWS
             }
         }
+#ifdef QM_AMX
+        if (KIND != KIND_PLAIN && R) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf.d + 32 * sb)));
+            const __m512 dmin = KIND == KIND_KQ ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf.m + 32 * sb)))
+                                                : _mm512_setzero_ps();
+            for (unsigned r = 0; r < R; r++) superblock_update16(&st[r], d, dmin, KIND);
+        }
+#endif
         if (KIND != KIND_PLAIN)
             for (int t = 0; t < 2; t++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.d + 32 * sb + 8 * t)));
                 const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.m + 32 * sb + 8 * t)))
                                                     : _mm256_setzero_ps();
-                for (unsigned b = 0; b < NR; b++) superblock_update(&s[b][t], d, dmin, KIND);
+                for (unsigned b = R; b < NR; b++) superblock_update(&s[b][t], d, dmin, KIND);
             }
     }
-    for (unsigned b = 0; b < NR; b++)
+#ifdef QM_AMX
+    for (unsigned r = 0; r < R; r++) _mm512_storeu_ps(ybuf + (size_t)r * m->npad + n, st[r].y);
+#endif
+    for (unsigned b = R; b < NR; b++)
         for (int t = 0; t < 2; t++)
             _mm256_storeu_ps(ybuf + (size_t)((big ? 0 : b0) + b) * m->npad + n + 8 * t, s[b][t].y);
 }
@@ -519,27 +684,35 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
     const int pf0 = si4_prefetch_ahead * BITS / 4 * 4;
     acc8 (*big)[2] = NULL; /* prefill: every row's sums */
     if (B > SI4_MAX_BATCH && !(big = aligned_alloc(32, sizeof(acc8) * 2 * (size_t)B))) return;
+    void *tiled = NULL; /* prefill's rows by AMX: their sums (acc16) */
+#ifdef QM_AMX
+    if (big && B >= 16 && (tiled = aligned_alloc(64, sizeof(acc16) * (size_t)B))) amx_configure(BITS == 6 ? 16 : 32);
+#endif
     for (int row = row0; row < row1; row += 32) {
         const uint8_t *chunk = qm_tile(m, row / 32, 0);
 #define HALF(H)                                                                                                 \
     do {                                                                                                        \
         const int n = row + 16 * (H), pf = (H) == 0 ? pf0 : 0; /* each line once, ahead of the stream */        \
         if (big) {                                                                                              \
-            half_pass(m, a, chunk, n, H, 0, 0, big, ybuf, BITS, KIND, pf);                                      \
+            half_pass(m, a, chunk, n, H, 0, 0, big, tiled, ybuf, BITS, KIND, pf);                               \
             break;                                                                                              \
         }                                                                                                       \
         for (int b0 = 0; b0 < B; b0 += NB_MAX) /* a decode step: passes of rows in registers */                 \
             switch (B - b0 < NB_MAX ? B - b0 : NB_MAX) {                                                        \
-            case 1: half_pass(m, a, chunk, n, H, b0, 1, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;            \
-            case 2: half_pass(m, a, chunk, n, H, b0, 2, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;            \
-            case 3: half_pass(m, a, chunk, n, H, b0, 3, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;            \
-            default: half_pass(m, a, chunk, n, H, b0, 4, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;           \
+            case 1: half_pass(m, a, chunk, n, H, b0, 1, NULL, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;      \
+            case 2: half_pass(m, a, chunk, n, H, b0, 2, NULL, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;      \
+            case 3: half_pass(m, a, chunk, n, H, b0, 3, NULL, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;      \
+            default: half_pass(m, a, chunk, n, H, b0, 4, NULL, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;     \
             }                                                                                                   \
     } while (0)
         HALF(0);
         HALF(1);
 #undef HALF
     }
+#ifdef QM_AMX
+    if (tiled) _tile_release();
+#endif
+    free(tiled);
     free(big);
 }
 

@@ -1,8 +1,14 @@
 /* Quantized matrices (qmat.h): the portable kernel, the activation quantizer every ISA shares,
  * and the dequantization for prefill matmuls. */
+#define _GNU_SOURCE /* syscall() */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef LLMLOCAL_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "qmat.h"
 
@@ -168,19 +174,42 @@ void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *o
     }
 }
 
-qm_kernel_fn qm_kernel_for(int isa, int vnni) {
+#ifdef LLMLOCAL_AMX
+/* Whether this process may use AMX tiles: the CPU has AMX-INT8 and Linux grants the tile
+ * state (it is off until asked for; the permission is the whole process's). Asked once. */
+static int amx_usable(void) {
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned a, b, c, d;
+        usable = 0;
+        if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25)) && (d & (1u << 24))) /* AMX-INT8, AMX-TILE */
+            usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return usable;
+}
+#endif
+
+qm_kernel_fn qm_kernel_for(int isa, int vnni, int amx) {
 #ifdef LLMLOCAL_X86_VARIANTS
     __builtin_cpu_init();
+#ifdef LLMLOCAL_AMX
+    if (vnni && amx && isa >= SI4_ISA_AVX512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq") &&
+        amx_usable()) return qm_kernel_amx;
+#endif
+    (void)amx;
     if (vnni && isa >= SI4_ISA_AVX512 && __builtin_cpu_supports("avx512vnni")) return qm_kernel_avx512vnni;
     if (vnni && isa >= SI4_ISA_AVX2 && __builtin_cpu_supports("avxvnni")) return qm_kernel_avxvnni;
     if (isa >= SI4_ISA_AVX2) return qm_kernel_avx2;
 #endif
-    (void)isa, (void)vnni;
+    (void)isa, (void)vnni, (void)amx;
     return qm_kernel_scalar;
 }
 
 const char *qm_kernel_name(qm_kernel_fn f) {
 #ifdef LLMLOCAL_X86_VARIANTS
+#ifdef LLMLOCAL_AMX
+    if (f == qm_kernel_amx) return "avx512vnni-amx";
+#endif
     if (f == qm_kernel_avx512vnni) return "avx512vnni";
     if (f == qm_kernel_avxvnni) return "avxvnni";
     if (f == qm_kernel_avx2) return "avx2";
