@@ -9,6 +9,7 @@
           waste (allocated-but-unfilled slots / allocated slots) sampled during the run.
 * prefix  TTFT of a follow-up chat turn on a long history, with the history's KV cached vs
           computed from scratch (paged backend).
+* prefill TTFT of a long prompt, cold, per backend, each in its own process, taking turns.
 """
 
 from __future__ import annotations
@@ -176,6 +177,45 @@ def bench_decode(
                 "completion_tokens": s.completion_tokens,
                 f"decode_vs_{first}_per_round": [round(r, 3) for r in ratios],
                 f"decode_vs_{first}": round(statistics.median(ratios), 3),
+            }
+    finally:
+        for engine in engines.values():
+            engine.close()
+    out["model"] = model or "smollm2-135m"
+    return out
+
+
+def bench_prefill(
+    model: str | None, backends: list[str], prompt_tokens: int = 1000, rounds: int = 3, threads: int | None = None,
+) -> dict[str, Any]:
+    """Time to first token on a long prompt, cold: every backend in a process of its own, taking
+    turns for `rounds` rounds, each round a prompt of its own (nothing for the prefix cache to
+    find but the chat template's first tokens). Per backend: the median round's TTFT and prompt
+    tokens per second, and per round the first backend's TTFT over this one's (above 1: faster)."""
+    out: dict[str, Any] = {"scenario": "prefill", "backends": {}}
+    n_ctx = max(2048, 2 * prompt_tokens)
+    warmup = [{"role": "user", "content": "Say hello."}]
+    engines: dict[str, _EngineProcess] = {}
+    try:
+        for name in backends:
+            engines[name] = _EngineProcess(Plan(model=model, backend=name, n_ctx=n_ctx, threads=threads), warmup)
+        runs: dict[str, list[Stats]] = {name: [] for name in backends}
+        for i in range(rounds):
+            # about one token per word; a different text each round
+            prompt = [{"role": "user", "content": "Summarise this list of words: " + _prompt(prompt_tokens, 100 + i)}]
+            for name in backends:
+                runs[name].append(engines[name].run(prompt, 1))
+        first = backends[0]
+        for name in backends:
+            ordered = sorted(runs[name], key=lambda s: s.ttft_s or 0.0)
+            s = ordered[len(ordered) // 2]
+            ratios = [(b.ttft_s or 0) / (a.ttft_s or 1) for a, b in zip(runs[name], runs[first])]
+            out["backends"][name] = {
+                "prompt_tokens": s.prompt_tokens,
+                "ttft_s": s.ttft_s,
+                "prefill_tok_s": s.prompt_tokens / s.ttft_s if s.ttft_s else None,
+                f"speed_vs_{first}_per_round": [round(r, 3) for r in ratios],
+                f"speed_vs_{first}": round(statistics.median(ratios), 3),
             }
     finally:
         for engine in engines.values():

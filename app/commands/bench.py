@@ -4,6 +4,7 @@ Scenarios:
   decode   batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation, per backend
   batch    N concurrent requests: paged (batched) vs llamacpp (one after another), KV waste
   prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold
+  prefill  TTFT of a long prompt (--prompt-tokens), cold, per backend in --backends
   spec     speculative decoding (paged): an fp32 target with an INT4 draft of itself (or
            --draft M), and n-gram lookup on a summarising prompt; batch 1 and batch 8
   sparse   decode of the sparse backend (at --sparsity S, and at 0 through the same kernels)
@@ -17,6 +18,7 @@ Examples:
     llmlocal bench decode --json
     llmlocal bench batch --requests 16 --json
     llmlocal bench prefix --model ~/models/llama-3.2-1b-q4_0.gguf
+    llmlocal bench prefill --model ~/models/qwen2.5-1.5b-q4_k_m.gguf --prompt-tokens 1000
     llmlocal bench spec --json
     llmlocal bench sparse --json --sparsity 0.5
     llmlocal bench grammar --backends paged --rounds 3
@@ -30,24 +32,27 @@ import json
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="measure speed: decode, batch, prefix, spec, sparse", description=__doc__,
+        "bench", help="measure speed: decode, batch, prefix, prefill, spec, sparse, grammar", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("scenario", choices=["decode", "batch", "prefix", "spec", "sparse", "grammar"])
+    p.add_argument("scenario", choices=["decode", "batch", "prefix", "prefill", "spec", "sparse", "grammar"])
     p.add_argument("--model", "-m", default=None, metavar="M", help="model name or path (default: smollm2-135m)")
     p.add_argument("--backends", default="paged,llamacpp", metavar="LIST",
-                   help="decode, grammar: backends to compare, comma-separated (default: paged,llamacpp)")
+                   help="decode, prefill, grammar: backends to compare, comma-separated (default: paged,llamacpp)")
     p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
+    p.add_argument("--prompt-tokens", type=int, default=1000, metavar="N",
+                   help="prefill: the prompt's length in tokens, about (default: 1000)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="decode, spec, grammar: rounds in which the backends (spec: the target alone, with the draft, "
-                        "with n-gram lookup; grammar: constrained and free) take turns (default: decode 3, spec 1, grammar 3)")
+                   help="decode, prefill, spec, grammar: rounds in which the backends (spec: the target alone, with the "
+                        "draft, with n-gram lookup; grammar: constrained and free) take turns (default: 3, spec 1)")
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4)")
     p.add_argument("--sparsity", type=float, default=None, metavar="S",
                    help="sparse: activation sparsity to run at (default: the model's calibrated level; "
                         "0.5 to calibrate a model that has none)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="decode, sparse: CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="decode, prefill, sparse: CPU threads (default: physical cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -67,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
         result = bench.bench_batch(args.model, requests=args.requests)
     elif args.scenario == "prefix":
         result = bench.bench_prefix(args.model)
+    elif args.scenario == "prefill":
+        if args.prompt_tokens < 16:
+            raise LLMLocalError(f"--prompt-tokens must be at least 16, not {args.prompt_tokens}.")
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+        result = bench.bench_prefill(args.model, backends, args.prompt_tokens, rounds=args.rounds or 3, threads=args.threads)
     elif args.scenario == "sparse":
         from llmlocal.engine.bench_sparse import bench_sparse
 

@@ -34,3 +34,27 @@ def test_render_prints_per_round_lists() -> None:
     lines = render(spec).splitlines()
     assert lines[2] == "     speedup_per_round: [0.98, 1.206]"
     assert lines[3] == "                batch8: speedup_per_round [1.5]"
+
+
+def test_bench_prefill_times_a_long_prompt_in_each_backend_taking_turns() -> None:
+    """The real starter in both backends, each in a process of its own: a prompt of about the
+    asked length in every round, a time to first token, and the per-round ratios to the first."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "llmlocal.app", "bench", "prefill", "--backends", "llamacpp,paged",
+                             "--prompt-tokens", "120", "--rounds", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["scenario"] == "prefill" and set(out["backends"]) == {"llamacpp", "paged"}
+    for name, figures in out["backends"].items():
+        assert 120 <= figures["prompt_tokens"] <= 200, (name, figures)
+        assert figures["ttft_s"] > 0 and figures["prefill_tok_s"] == figures["prompt_tokens"] / figures["ttft_s"]
+        assert len(figures["speed_vs_llamacpp_per_round"]) == 2 and figures["speed_vs_llamacpp"] > 0
+    assert out["backends"]["llamacpp"]["speed_vs_llamacpp_per_round"] == [1.0, 1.0]
+    # the two engines tokenize alike: the same prompt in both
+    assert out["backends"]["llamacpp"]["prompt_tokens"] == out["backends"]["paged"]["prompt_tokens"]
+    refused = subprocess.run([sys.executable, "-m", "llmlocal.app", "bench", "prefill", "--prompt-tokens", "3"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--prompt-tokens must be at least 16" in refused.stderr

@@ -130,7 +130,19 @@ def test_constrained_and_free_requests_decode_together_as_each_alone(paged: Engi
         requests.append(Request.chat([{"role": "user", "content": p}], SamplingParams(temperature=0, max_tokens=48, grammar=grammar)))
     alone = [ids(paged, r) for r in requests]
     batched = [[t for e in events if isinstance(e, TokenEvent) for t in e.token_ids] for events in together(paged, requests)]
-    assert batched == alone
+    # The starter's Q8_0 output head rounds its input to int8, so a float-rounding difference
+    # between batched and single steps can move a logit by about 0.01 (README, Backends): a
+    # reply may part from its lone twin only where the two tokens chosen are that close, under
+    # the grammar or not (a batching or masking bug parts them anywhere, and most of them).
+    differ = [i for i in range(len(requests)) if batched[i] != alone[i]]
+    assert len(differ) <= 2, differ
+    for i in differ:
+        a, b = alone[i], batched[i]
+        k = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        prompt = paged.prompt_ids(requests[i])
+        row = paged.backend.log_probs(prompt + a[: k + 1])[len(prompt) + k - 1]
+        assert abs(row[a[k]] - row[b[k]]) < 0.05, (i, k, row[a[k]], row[b[k]])
+    print("replies parted from their lone twins at near-ties:", differ)
 
 
 class Oracle:
