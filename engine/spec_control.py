@@ -16,9 +16,17 @@ sequences with the best acceptance draft k tokens, the others none", the choice 
 tokens per second, so a sequence whose drafts are mostly wrong stops drafting, and a large
 batch (where the target's pass is no longer cheap per extra token) drafts less or not at all.
 
-Acceptance is tracked per sequence as decayed counts of kept and rejected tokens with a
-prior of one each; the counts also decay on steps without drafting, so a sequence that
-stopped drafting drifts back to the prior and is probed again later.
+Acceptance is tracked per sequence as decayed counts of kept and rejected tokens; a new
+sequence starts from the acceptance pooled over the sequences before it (one each of kept
+and rejected before any), and the counts also decay on steps without drafting, so a sequence
+that stopped drafting drifts back to that prior and is tried again later.
+
+Priors alone cannot tell whether a draft model pays on a CPU: a checked token costs half a
+step where the step is bound by arithmetic (Zen 3: the 0.5B drafting for the 1.5B does not
+pay) and a tenth where it is bound by memory (Sapphire Rapids: it does, 1.3x at k = 3). So
+a draft model is probed once, when the controller would not draft on its priors: in a few
+steps one sequence drafts 1 to 4 tokens, which measures the checking steps' cost (their slope
+per token too) and the acceptance; from then on the measurements decide.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 DECAY = 0.9  # weight of the past in the acceptance counts, per step
+PROBE_KS = (1, 2, 3, 4, 2, 3)  # draft lengths of the probing steps: several, for the slope
 
 
 @dataclass
@@ -90,8 +99,8 @@ class DraftLength:
     """Chooses k per sequence. ``fixed`` pins k (no adaptation); ``draft_ratio`` is the prior
     draft/target cost ratio of a forward pass (the weight bytes ratio is a fair guess);
     ``per_token`` the prior cost of one more token in a step (`PER_TOKEN_PRIOR` of the device).
-    With the CPU's prior a draft model is not tried at the prior acceptance: its first try
-    (the draft catching up with the whole prompt) would cost more than drafting could win."""
+    Where the priors say a draft model does not pay (a CPU's), it is probed once after four
+    plain steps (`PROBE_KS`), and the measured costs and acceptance decide from then on."""
 
     def __init__(self, k_max: int = 8, fixed: int | None = None, draft_ratio: float = 0.25,
                  per_token: float = PER_TOKEN_PRIOR["cuda"]) -> None:
@@ -102,9 +111,25 @@ class DraftLength:
         self.draft = LinearCost(fixed=draft_ratio, per_token=0.02 * draft_ratio)
         self._anchored = False  # the priors scaled to the first measured step
         self._acc: dict[int, _Acceptance] = {}
+        self._pooled = _Acceptance()  # every sequence's verdicts, decayed: a new sequence's prior
+        self._probe: list[int] = []  # draft lengths still to try in the probe
+        self._probed = draft_ratio <= 0.0  # a free drafter (n-gram lookup) needs no probe
+        # Once probed, the cost of checking is known only as far as it was measured: a step is
+        # bound by memory up to some width and by arithmetic beyond (a CPU at batch 8), which
+        # a line fitted to narrow steps does not foresee. So the controller drafts at most one
+        # token wider than the widest checking step it has timed, and widens as it measures.
+        self._probed_model = False
+        self._widest = 0
+
+    def _counts(self, seq_id: int) -> _Acceptance:
+        acc = self._acc.get(seq_id)
+        if acc is None:
+            p = self._pooled.rate
+            acc = self._acc[seq_id] = _Acceptance(kept=2.0 * p, rejected=2.0 * (1.0 - p))
+        return acc
 
     def rate(self, seq_id: int) -> float:
-        return self._acc.setdefault(seq_id, _Acceptance()).rate
+        return self._counts(seq_id).rate
 
     def observe_target(self, tokens: int, seconds: float, plain: bool = False) -> None:
         """A target step over ``tokens`` tokens took ``seconds``; ``plain``: every sequence of
@@ -120,6 +145,7 @@ class DraftLength:
             self.plain.observe(tokens, seconds)
             return
         self.target.observe(tokens, seconds)
+        self._widest = max(self._widest, tokens)
 
     def _plain_cost(self, batch: int) -> float:
         """Seconds of a step without drafts: measured on plain steps once there are some."""
@@ -134,15 +160,16 @@ class DraftLength:
         self._acc.pop(seq_id, None)
 
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
-        acc = self._acc.setdefault(seq_id, _Acceptance())
-        acc.kept = acc.kept * DECAY + accepted
-        acc.rejected = acc.rejected * DECAY + (1 if accepted < drafted else 0)
+        for acc in (self._counts(seq_id), self._pooled):
+            acc.kept = acc.kept * DECAY + accepted
+            acc.rejected = acc.rejected * DECAY + (1 if accepted < drafted else 0)
 
     def decay_idle(self, seq_ids: list[int]) -> None:
-        for sid in seq_ids:
-            acc = self._acc.setdefault(sid, _Acceptance())
-            acc.kept = 1.0 + (acc.kept - 1.0) * DECAY
-            acc.rejected = 1.0 + (acc.rejected - 1.0) * DECAY
+        p = self._pooled.rate
+        for sid in seq_ids:  # towards the pooled prior (2 p kept, 2 (1 - p) rejected)
+            acc = self._counts(sid)
+            acc.kept = 2.0 * p + (acc.kept - 2.0 * p) * DECAY
+            acc.rejected = 2.0 * (1.0 - p) + (acc.rejected - 2.0 * (1.0 - p)) * DECAY
 
     def choose(self, seq_ids: list[int], batch: int, room: dict[int, int]) -> dict[int, int]:
         """k for each of ``seq_ids`` (the decoding sequences; ``batch`` counts every sequence
@@ -151,6 +178,9 @@ class DraftLength:
             return {}
         if self.fixed is not None:
             return {sid: max(0, min(self.fixed, room[sid])) for sid in seq_ids}
+        if self._probe:  # one sequence drafts (a draft model catches up with one prompt only)
+            k, first = self._probe.pop(0), max(seq_ids, key=self.rate)
+            return {sid: max(0, min(k, room[sid])) if sid == first else 0 for sid in seq_ids}
         if 0 < len(self.draft.history) < 4:
             # Too few measured draft passes to fit its cost (the first is often the draft
             # catching up with a whole prompt, far dearer than a proposal): draft one token
@@ -164,11 +194,18 @@ class DraftLength:
             gained = 0.0
             for m in range(1, len(order) + 1):
                 gained += expected_tokens(k, rates[m - 1]) - 1.0
+                if self._probed_model and batch + k * m > self._widest + 1:
+                    break  # beyond the checking steps measured, by more than a token: not trusted
                 seconds = self.target(batch + k * m) + k * self.draft(m)
                 speed = (batch + gained) / seconds
                 if speed > best[0]:
                     best = (speed, k, m)
         _, k, m = best
+        if k == 0 and not self._probed and len(self.plain.history) >= 4:
+            # not on the priors: measure instead, once (see the module's docstring)
+            self._probed = self._probed_model = True
+            self._probe = list(PROBE_KS)
+            return self.choose(seq_ids, batch, room)
         chosen = {sid: 0 for sid in seq_ids}
         for sid in order[:m]:
             chosen[sid] = max(0, min(k, room[sid]))

@@ -55,17 +55,49 @@ def test_drafting_stops_when_plain_steps_are_much_cheaper_than_verifying_ones() 
     assert max(_ngram_controller(0.036).choose(list(range(8)), 8, room).values()) >= 1
 
 
-def test_on_a_cpu_a_draft_model_is_not_tried_at_the_prior_acceptance() -> None:
-    """A CPU step is bound by arithmetic: each checked token costs a good part of a step, so a
-    draft model of 0.4 of the target's bytes cannot pay at the prior acceptance, and its first
-    try (catching up with the whole prompt) is not made. On a GPU the same draft is tried; on
-    the CPU a free drafter (n-gram lookup) still is."""
+def _probed_on_a_cpu(check_seconds_per_token: float) -> tuple[DraftLength, list[int]]:
+    """A CPU controller with a draft model of 0.4 of the target's bytes, plain steps of 70 ms,
+    then whatever it drafts, with checking steps costing 70 ms + ``check_seconds_per_token``
+    per token beyond the first, draft passes 28 ms, and 9 drafted tokens in 10 kept."""
+    from llmlocal.engine.spec_control import PER_TOKEN_PRIOR
+
+    dl = DraftLength(draft_ratio=0.4, per_token=PER_TOKEN_PRIOR["cpu"])
+    room, ks = {7: 100}, []
+    for step in range(40):
+        k = dl.choose([7], 1, room)[7]
+        ks.append(k)
+        if k == 0:
+            dl.observe_target(1, 0.070, plain=True)
+            dl.decay_idle([7])
+            continue
+        dl.observe_draft(k, k, 0.028 * k)
+        dl.observe_target(1 + k, 0.070 + check_seconds_per_token * k)
+        accepted = k if step % 10 else k - 1
+        dl.observe(7, k, accepted)
+    return dl, ks
+
+
+def test_on_a_cpu_a_draft_model_is_probed_once_and_kept_where_it_pays() -> None:
+    """On its priors (a CPU step bound by arithmetic) a draft model does not pay, so it is not
+    drafted from the first step: after four plain steps it is probed with draft lengths 1-4,
+    and the measured costs decide. Where checking a token costs a tenth of a step (a CPU bound
+    by memory) drafting goes on, and a new sequence starts from the acceptance measured;
+    where it costs most of a step, drafting stops after the probe."""
+    from llmlocal.engine.spec_control import PROBE_KS
+
+    cheap, ks = _probed_on_a_cpu(0.007)
+    assert ks[:4] == [0, 0, 0, 0] and tuple(ks[4 : 4 + len(PROBE_KS)]) == PROBE_KS
+    assert min(ks[4 + len(PROBE_KS) :]) >= 2  # measured to pay: several tokens every step
+    assert cheap.choose([8], 1, {8: 100})[8] >= 2  # a new sequence: the pooled acceptance
+    dear, ks = _probed_on_a_cpu(0.060)
+    assert tuple(ks[4 : 4 + len(PROBE_KS)]) == PROBE_KS
+    assert set(ks[4 + len(PROBE_KS) + 4 :]) == {0}  # measured not to pay: stopped
+
+
+def test_a_gpu_drafts_at_once_and_a_free_drafter_is_tried_on_a_cpu() -> None:
     from llmlocal.engine.spec_control import PER_TOKEN_PRIOR
 
     room = {7: 100}
-    cpu = DraftLength(draft_ratio=0.4, per_token=PER_TOKEN_PRIOR["cpu"])
-    cpu.observe_target(1, 0.070, plain=True)
-    assert cpu.choose([7], 1, room) == {7: 0}
     gpu = DraftLength(draft_ratio=0.4, per_token=PER_TOKEN_PRIOR["cuda"])
     gpu.observe_target(1, 0.070, plain=True)
     assert gpu.choose([7], 1, room)[7] >= 1
