@@ -22,7 +22,10 @@
  *                      to it in one instruction, with no int16 stage to widen; the sub-block
  *                      scales then multiply the int32 sums (Q6_K: vpmulld; Q4_K / Q5_K: as
  *                      floats, exactly), which gives the same numbers as weighting the
- *                      widening, so every variant computes the same floats. Each is called only on CPUs that have its instructions. */
+ *                      widening, so every variant computes the same floats;
+ *   qmat_amx.c         the AVX512-VNNI kernels with prefill's group sums made by AMX tile
+ *                      multiplies (QM_AMX, below): the same integers, the same floats.
+ * Each is called only on CPUs that have its instructions. */
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
