@@ -14,11 +14,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import random
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -120,6 +122,21 @@ class _EngineProcess:
         self._conn.close()
 
 
+@contextlib.contextmanager
+def _engines_apart(
+    model: str | None, backends: list[str], n_ctx: int, threads: int | None, warmup: list[dict[str, str]]
+) -> Iterator[dict[str, _EngineProcess]]:
+    """Each backend's engine loaded in a process of its own, closed on the way out."""
+    engines: dict[str, _EngineProcess] = {}
+    try:
+        for name in backends:
+            engines[name] = _EngineProcess(Plan(model=model, backend=name, n_ctx=n_ctx, threads=threads), warmup)
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
 def _engine_process(conn: Connection, plan: Plan, warmup: list[dict[str, str]]) -> None:
     """The child of `_EngineProcess`: load, warm up, then answer requests until told to stop."""
     try:
@@ -151,10 +168,7 @@ def bench_decode(
     bandwidth = measure_bandwidth_gb_s()
     out: dict[str, Any] = {"scenario": "decode", "bandwidth_gb_s": round(bandwidth, 2), "backends": {}}
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
-    engines: dict[str, _EngineProcess] = {}
-    try:
-        for name in backends:
-            engines[name] = _EngineProcess(Plan(model=model, backend=name, n_ctx=n_ctx, threads=threads), messages)
+    with _engines_apart(model, backends, n_ctx, threads, messages) as engines:
         runs: dict[str, list[Stats]] = {name: [] for name in backends}
         for i in range(rounds):
             prompt = [{"role": "user", "content": m["content"] + f" ({i})"} for m in messages]
@@ -178,9 +192,6 @@ def bench_decode(
                 f"decode_vs_{first}_per_round": [round(r, 3) for r in ratios],
                 f"decode_vs_{first}": round(statistics.median(ratios), 3),
             }
-    finally:
-        for engine in engines.values():
-            engine.close()
     out["model"] = model or "smollm2-135m"
     return out
 
@@ -195,10 +206,7 @@ def bench_prefill(
     out: dict[str, Any] = {"scenario": "prefill", "backends": {}}
     n_ctx = max(2048, 2 * prompt_tokens)
     warmup = [{"role": "user", "content": "Say hello."}]
-    engines: dict[str, _EngineProcess] = {}
-    try:
-        for name in backends:
-            engines[name] = _EngineProcess(Plan(model=model, backend=name, n_ctx=n_ctx, threads=threads), warmup)
+    with _engines_apart(model, backends, n_ctx, threads, warmup) as engines:
         runs: dict[str, list[Stats]] = {name: [] for name in backends}
         for i in range(rounds):
             # about one token per word; a different text each round
@@ -217,9 +225,6 @@ def bench_prefill(
                 f"speed_vs_{first}_per_round": [round(r, 3) for r in ratios],
                 f"speed_vs_{first}": round(statistics.median(ratios), 3),
             }
-    finally:
-        for engine in engines.values():
-            engine.close()
     out["model"] = model or "smollm2-135m"
     return out
 

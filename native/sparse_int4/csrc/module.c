@@ -653,26 +653,26 @@ static PyObject *py_set_isa(PyObject *mod, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_set_qmat_vnni(PyObject *mod, PyObject *arg) {
-    (void)mod;
+/* Sets one of the quantized kernels' switches (g_qvnni, g_qamx) from a Python truth value and
+ * picks the kernel again. */
+static PyObject *set_qmat_switch(PyObject *arg, int *flag) {
     const int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
     pthread_mutex_lock(&si4_call_lock);
-    g_qvnni = on;
+    *flag = on;
     g_qkernel = qm_kernel_for(g_isa, g_qvnni, g_qamx);
     pthread_mutex_unlock(&si4_call_lock);
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_qmat_vnni(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    return set_qmat_switch(arg, &g_qvnni);
+}
+
 static PyObject *py_set_qmat_amx(PyObject *mod, PyObject *arg) {
     (void)mod;
-    const int on = PyObject_IsTrue(arg);
-    if (on < 0) return NULL;
-    pthread_mutex_lock(&si4_call_lock);
-    g_qamx = on;
-    g_qkernel = qm_kernel_for(g_isa, g_qvnni, g_qamx);
-    pthread_mutex_unlock(&si4_call_lock);
-    Py_RETURN_NONE;
+    return set_qmat_switch(arg, &g_qamx);
 }
 
 static PyObject *py_qmat_kernel(PyObject *mod, PyObject *unused) {
