@@ -215,8 +215,7 @@ def bench_prefill(
                 runs[name].append(engines[name].run(prompt, 1))
         first = backends[0]
         for name in backends:
-            ordered = sorted(runs[name], key=lambda s: s.ttft_s or 0.0)
-            s = ordered[len(ordered) // 2]
+            s = _median_stats(runs[name], by="ttft_s")
             ratios = [(b.ttft_s or 0) / (a.ttft_s or 1) for a, b in zip(runs[name], runs[first])]
             out["backends"][name] = {
                 "prompt_tokens": s.prompt_tokens,
@@ -229,9 +228,9 @@ def bench_prefill(
     return out
 
 
-def _median_stats(stats: list[Stats]) -> Stats:
-    """The run with the median decode speed (keeps each figure from one real run)."""
-    ordered = sorted(stats, key=lambda s: s.decode_tok_s or 0.0)
+def _median_stats(stats: list[Stats], by: str = "decode_tok_s") -> Stats:
+    """The run with the median figure ``by`` (keeps each figure from one real run)."""
+    ordered = sorted(stats, key=lambda s: getattr(s, by) or 0.0)
     return ordered[len(ordered) // 2]
 
 

@@ -286,12 +286,13 @@ def _offload(spec: ModelSpec, plan: Plan, hw: Hardware, budgets: dict[str, int],
 
 
 # ---- ranking ------------------------------------------------------------------------------
-def _key(c: Candidate, has_gpu: bool, wanted: int, simd: frozenset[str] = frozenset()) -> tuple:
+def _key(c: Candidate, has_gpu: bool, wanted: int, cpu_default: str = "llamacpp") -> tuple:
+    """The candidate's rank (`_KEY_WORDS`); ``cpu_default``: the backend preferred on a CPU for
+    its file (`_cpu_backend`, worked out once per file: it reads every tensor's type)."""
     p = c.plan
     all_fastest = (p.device == "cuda" and (p.backend == "paged" or p.gpu_layers > c.spec.n_layers)) if has_gpu else True
     gpu_fraction = (min(p.gpu_layers, c.spec.n_layers) / c.spec.n_layers) if p.backend == "llamacpp" else (1.0 if p.device == "cuda" else 0.0)
     slots = (p.kv_blocks or 0) // -(-(p.n_ctx or 1) // p.block_size) if p.backend == "paged" else 1
-    cpu_default = _cpu_backend(c.spec, simd)
     preferred_backend = p.backend == ("paged" if p.device == "cuda" else cpu_default)
     return (
         all_fastest,
@@ -352,8 +353,10 @@ def choose(
     if not cands:
         raise LLMLocalError(_no_candidate(variants, hardware, pins))
     wanted = {id(s): pins.n_ctx or default_ctx(s) for s in variants}
+    cpu_default = {id(s): _cpu_backend(s, hardware.simd) for s in variants}
     ranked = sorted(
-        (Candidate(c.plan, c.spec, c.devices, c.budgets, _key(c, has_gpu, wanted[id(c.spec)], hardware.simd)) for c in cands),
+        (Candidate(c.plan, c.spec, c.devices, c.budgets, _key(c, has_gpu, wanted[id(c.spec)], cpu_default[id(c.spec)]))
+         for c in cands),
         key=lambda c: c.key,
         reverse=True,
     )
@@ -486,7 +489,8 @@ def _nothing_fits(
         loose = Pins(**{**pins.__dict__, name: None})
         fit = [c for c in _candidates(variants, hw, loose, base, draft, backends) if c.fits]
         if fit:
-            best = max(fit, key=lambda c: _key(c, bool(hw.gpus), pins.n_ctx or default_ctx(c.spec), hw.simd))
+            cpu_default = {id(s): _cpu_backend(s, hw.simd) for s in variants}
+            best = max(fit, key=lambda c: _key(c, bool(hw.gpus), pins.n_ctx or default_ctx(c.spec), cpu_default[id(c.spec)]))
             value = {"n_ctx": best.plan.n_ctx, "gpu_layers": best.plan.gpu_layers, "backend": best.plan.backend,
                      "draft": "off", "kv_blocks": best.plan.kv_blocks, "device": best.plan.device}[name]
             return f"The model {needs}: use {label} {value}."

@@ -113,12 +113,12 @@ class DraftLength:
         self._acc: dict[int, _Acceptance] = {}
         self._pooled = _Acceptance()  # every sequence's verdicts, decayed: a new sequence's prior
         self._probe: list[int] = []  # draft lengths still to try in the probe
-        self._probed = draft_ratio <= 0.0  # a free drafter (n-gram lookup) needs no probe
+        self._free = draft_ratio <= 0.0  # a drafter without passes (n-gram lookup): never probed
+        self._probed = self._free
         # Once probed, the cost of checking is known only as far as it was measured: a step is
         # bound by memory up to some width and by arithmetic beyond (a CPU at batch 8), which
         # a line fitted to narrow steps does not foresee. So the controller drafts at most one
         # token wider than the widest checking step it has timed, and widens as it measures.
-        self._probed_model = False
         self._widest = 0
 
     def _counts(self, seq_id: int) -> _Acceptance:
@@ -194,7 +194,7 @@ class DraftLength:
             gained = 0.0
             for m in range(1, len(order) + 1):
                 gained += expected_tokens(k, rates[m - 1]) - 1.0
-                if self._probed_model and batch + k * m > self._widest + 1:
+                if self._probed and not self._free and batch + k * m > self._widest + 1:
                     break  # beyond the checking steps measured, by more than a token: not trusted
                 seconds = self.target(batch + k * m) + k * self.draft(m)
                 speed = (batch + gained) / seconds
@@ -203,7 +203,7 @@ class DraftLength:
         _, k, m = best
         if k == 0 and not self._probed and len(self.plain.history) >= 4:
             # not on the priors: measure instead, once (see the module's docstring)
-            self._probed = self._probed_model = True
+            self._probed = True
             self._probe = list(PROBE_KS)
             return self.choose(seq_ids, batch, room)
         chosen = {sid: 0 for sid in seq_ids}
