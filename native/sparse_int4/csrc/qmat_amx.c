@@ -5,5 +5,6 @@
 #include <immintrin.h>
 #define QM_SUFFIX amx
 #define QM_DPBUSD(acc, u8, s8) _mm256_dpbusd_epi32((acc), (u8), (s8))
+#define QM_ZMM 1
 #define QM_AMX 1
 #include "qmat_body.h"

@@ -4,4 +4,5 @@
 #include <immintrin.h>
 #define QM_SUFFIX avx512vnni
 #define QM_DPBUSD(acc, u8, s8) _mm256_dpbusd_epi32((acc), (u8), (s8))
+#define QM_ZMM 1
 #include "qmat_body.h"

@@ -43,6 +43,9 @@
 #else
 #define QM_VNNI 0
 #endif
+#ifndef QM_ZMM
+#define QM_ZMM 0 /* 1: AVX512-VNNI on 512-bit registers for decode steps (the section below) */
+#endif
 
 #define AI static inline __attribute__((always_inline))
 #define PASS 2 /* batch rows per pass over a chunk: 8 accumulators + 4 code vectors */
@@ -457,20 +460,14 @@ AI void superblock_update(acc8 *s, __m256 d, __m256 dmin, const int KIND) {
     s->fs = s->fm = _mm256_setzero_ps();
 }
 
-#ifdef QM_AMX
-/* Prefill with AMX (Sapphire Rapids and later; qmat_amx.c): per group and half-chunk, the codes
- * of its quads, unpacked as the VNNI kernel unpacks them, are one B tile (a row per quad: 16
- * rows of W x 4 codes, the layout the tile multiply wants), 16 rows of x one A tile (their qx,
- * straight from memory), and one tdpbsud (tdpbssd for Q8_0's signed codes) makes the 16 x 16
- * int32 group sums the VNNI kernel makes in 64 vpdpbusd. The sums are the same integers, and
- * group_update applies the same float operations to them: every row's floats are the VNNI
- * kernel's. Rows of x beyond a multiple of 16 take the VNNI passes. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
+#if QM_ZMM
+/* ---------------------------------------------------------------- 512-bit passes (AVX512-VNNI)
+ *
+ * The AVX512-VNNI variants take a half-chunk's 16 rows of W in one 512-bit vector: a quad's
+ * codes of all 16 rows are one vector (W[0] and W[1] of load_half_il side by side), one
+ * vpdpbusd makes the int32 sums two make on 256-bit registers, and a row of x's float updates
+ * of the 16 rows are one vector operation each. Per element these are the same integer sums and
+ * the same float operations as half_pass's, so every variant still computes the same floats. */
 /* A row of x's running sums for the 16 rows of W of a half-chunk (acc8's two halves in one
  * 512-bit vector each), and a group's factors for them (fac8's two halves). */
 typedef struct {
@@ -483,7 +480,9 @@ typedef struct {
     __m512 D, M, mnf, wf;
 } fac16;
 
-AI __m512 join_ps(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+AI __m512 join_ps(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
 AI __m512i join_si(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 
 AI fac16 join_factors(const fac8 f[2], const int KIND) {
@@ -523,6 +522,91 @@ AI void superblock_update16(acc16 *s, __m512 d, __m512 dmin, const int KIND) {
     else s->y = _mm512_fmadd_ps(d, _mm512_fnmadd_ps(_mm512_set1_ps(32.0f), s->fm, s->fs), s->y);
     s->fs = s->fm = _mm512_setzero_ps();
 }
+
+/* The codes of half h of the quad at p in one vector: element e holds row 16 h + e's four codes
+ * (load_half_il's W[0] in the low half, W[1] in the high half). */
+AI __m512i load_half16(const uint8_t *p, const int h, const int BITS) {
+    if (BITS == 8) return _mm512_loadu_si512((const void *)(p + 64 * h));
+    if (BITS == 4) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+        return _mm512_and_si512(join_si(u, _mm256_srli_epi16(u, 4)), _mm512_set1_epi8(15));
+    }
+    __m256i W[2];
+    load_half_il(p, h, BITS, W);
+    return join_si(W[0], W[1]);
+}
+
+/* acc += W's codes times a quad of x broadcast in xq (mac_quad on 16 rows of W). */
+AI __m512i mac_quad16(__m512i acc, __m512i W, __m512i xq, const int BITS) {
+    if (BITS == 8) { /* signed codes: |x| * sign(q, x) */
+        const __m512i sw = _mm512_mask_sub_epi8(W, _mm512_movepi8_mask(xq), _mm512_setzero_si512(), W);
+        return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(xq), sw);
+    }
+    return _mm512_dpbusd_epi32(acc, W, xq);
+}
+
+/* half_pass for a decode step on 512-bit registers: half h (rows n .. n + 15) of the chunk at
+ * `chunk` over all of K, for rows [b0, b0 + BB) of x (BB <= NB_MAX), y written to ybuf. */
+AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0,
+                    const int BB, float *ybuf, const int BITS, const int KIND, int pf) {
+    const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP, NQ = GROUP / 4;
+    const unsigned G = (unsigned)m->k / GROUP, B = (unsigned)a->batch;
+    const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS), qs = a->qx_stride;
+    const chunk_fac cf = chunk_factors(m, n);
+    acc16 s[NB_MAX];
+    for (int b = 0; b < BB; b++) {
+        s[b].y = s[b].fs = s[b].fm = _mm512_setzero_ps();
+        s[b].blk = _mm512_setzero_si512();
+    }
+    for (unsigned sb = 0; sb < G / PER_SB; sb++) {
+        for (unsigned j = 0; j < PER_SB; j++) {
+            const unsigned g = sb * PER_SB + j, qb = g * GROUP / QM_QBLOCK;
+            const uint8_t *p = chunk + (size_t)g * tile_bytes;
+            if (pf) /* the tile's lines, once, ahead of the stream */
+                for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
+            const int8_t *qx = a->qx + (size_t)(b0) * qs + (size_t)g * GROUP;
+            __m512i acc[NB_MAX];
+            for (int b = 0; b < BB; b++) acc[b] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (unsigned i = 0; i < NQ; i++) {
+                const __m512i W = load_half16(p + (size_t)i * (16 * BITS), h, BITS);
+                for (int b = 0; b < BB; b++) {
+                    int32_t q4;
+                    memcpy(&q4, qx + (size_t)b * qs + 4 * i, 4);
+                    acc[b] = mac_quad16(acc[b], W, _mm512_set1_epi32(q4), BITS);
+                }
+            }
+            fac8 f[2];
+            for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
+            const fac16 F = join_factors(f, KIND);
+            for (int b = 0; b < BB; b++)
+                group_update16(&s[b], &F, acc[b], a->dx[(size_t)(b0 + b) * a->dx_stride + qb], a->xs[(size_t)g * B + b0 + b],
+                               KIND, j % 2 == 0);
+        }
+        if (KIND != KIND_PLAIN) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf.d + 32 * sb)));
+            const __m512 dmin = KIND == KIND_KQ ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf.m + 32 * sb)))
+                                                : _mm512_setzero_ps();
+            for (int b = 0; b < BB; b++) superblock_update16(&s[b], d, dmin, KIND);
+        }
+    }
+    for (int b = 0; b < BB; b++) _mm512_storeu_ps(ybuf + (size_t)(b0 + b) * m->npad + n, s[b].y);
+}
+#endif
+
+#ifdef QM_AMX
+/* Prefill with AMX (Sapphire Rapids and later; qmat_amx.c): per group and half-chunk, the codes
+ * of its quads, unpacked as the VNNI kernel unpacks them, are one B tile (a row per quad: 16
+ * rows of W x 4 codes, the layout the tile multiply wants), 16 rows of x one A tile (their qx,
+ * straight from memory), and one tdpbsud (tdpbssd for Q8_0's signed codes) makes the 16 x 16
+ * int32 group sums the VNNI kernel makes in 64 vpdpbusd. The sums are the same integers, and
+ * group_update applies the same float operations to them: every row's floats are the VNNI
+ * kernel's. Rows of x beyond a multiple of 16 take the VNNI passes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
 
 /* Tiles for groups of `group` inputs: 0, 3, 4, 5 C (16 x 16 int32 sums, one per block of 16
  * rows of x: prefill calls have at most QM_MAX_BATCH = 64 rows), 1 and 6 A (16 rows of x by
@@ -681,6 +765,12 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
             _mm256_storeu_ps(ybuf + (size_t)((big ? 0 : b0) + b) * m->npad + n + 8 * t, s[b][t].y);
 }
 
+#if QM_ZMM
+#define DECODE_PASS(H, b0, BB, pf) half_pass16(m, a, chunk, row + 16 * (H), H, b0, BB, ybuf, BITS, KIND, pf)
+#else
+#define DECODE_PASS(H, b0, BB, pf) half_pass(m, a, chunk, row + 16 * (H), H, b0, BB, NULL, NULL, ybuf, BITS, KIND, pf)
+#endif
+
 /* Rows [row0, row1) of W over all of its groups (calls are split by rows: g0 = 0, g1 = K / group). */
 AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS, const int KIND) {
     const int B = a->batch;
@@ -702,10 +792,10 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
         }                                                                                                       \
         for (int b0 = 0; b0 < B; b0 += NB_MAX) /* a decode step: passes of rows in registers */                 \
             switch (B - b0 < NB_MAX ? B - b0 : NB_MAX) {                                                        \
-            case 1: half_pass(m, a, chunk, n, H, b0, 1, NULL, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;      \
-            case 2: half_pass(m, a, chunk, n, H, b0, 2, NULL, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;      \
-            case 3: half_pass(m, a, chunk, n, H, b0, 3, NULL, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;      \
-            default: half_pass(m, a, chunk, n, H, b0, 4, NULL, NULL, ybuf, BITS, KIND, b0 ? 0 : pf); break;     \
+            case 1: DECODE_PASS(H, b0, 1, b0 ? 0 : pf); break;                                                  \
+            case 2: DECODE_PASS(H, b0, 2, b0 ? 0 : pf); break;                                                  \
+            case 3: DECODE_PASS(H, b0, 3, b0 ? 0 : pf); break;                                                  \
+            default: DECODE_PASS(H, b0, 4, b0 ? 0 : pf); break;                                                 \
             }                                                                                                   \
     } while (0)
         HALF(0);
