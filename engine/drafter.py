@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from .block_manager import BlockManager
+from .model.draft_head import DraftHead
 from .model_runner import ModelRunner, StepItem
 from .grammar import Constraint, mask_logits
 from .sampling import apply_repeat_penalty, filtered_probs
@@ -94,6 +95,7 @@ class DraftModel:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.head = runner.model.lm_head
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True)
         self._mirrors: dict[int, Sequence] = {}
         self.seconds = 0.0
@@ -165,6 +167,12 @@ class DraftModel:
             active = still
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
+    def _include(self, tokens: list[int]) -> None:
+        """Tokens of a text being drafted for: a head over part of the vocabulary (`DraftHead`)
+        may propose them from now on."""
+        if isinstance(self.head, DraftHead):
+            self.head.include(tokens)
+
     def _sync(self, seq: Sequence, k: int) -> bool:
         """Make the mirror of ``seq`` hold exactly its tokens, with slots for them; False if the
         draft's pool has no room (no drafting for this sequence this step)."""
@@ -172,6 +180,7 @@ class DraftModel:
         m = self._mirrors.get(seq.seq_id)
         if m is None:
             m = Sequence(seq.seq_id, target)
+            self._include(target)
             m.num_prompt_tokens = 1  # a mirror may be cut back to any length but its first token
             if not self.blocks.can_allocate(m):
                 return False
@@ -179,6 +188,7 @@ class DraftModel:
             self._mirrors[seq.seq_id] = m
         else:
             common = _common_prefix(m.token_ids, target)
+            self._include(target[common:])
             self.blocks.truncate(m, max(common, 1))
             common = m.num_tokens
             m.token_ids.extend(target[common:])

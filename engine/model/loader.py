@@ -28,6 +28,7 @@ from llmlocal.native.sparse_int4.qlayout import FORMATS as QUANT_FORMATS
 from llmlocal.native.sparse_int4.qlayout import QuantRows
 
 from .config import ModelConfig, config_from_hf, config_from_spec
+from .draft_head import DraftHead
 
 from .gguf_tensors import INT4_TYPES, GGUFTensors, Int4Codes, QuantEmbedding
 from .linear import DenseLinear, Int4Linear, Int8Linear, Linear
@@ -202,11 +203,14 @@ def load_gguf(
     max_position: int | None = None,
     int4: Int4Factory | None = None,
     quant: QuantFactory | None = None,
+    head_rows: int | None = None,
 ) -> LlamaModel:
     """The model of a GGUF file. ``quant`` builds the projections (and the output head) whose
     parts are all in GGUF types the native kernels read in their own bytes; ``int4`` those
     whose source is INT4 (all parts of a fused projection must be), and the output head when
-    its source is; the others follow ``weights``."""
+    its source is; the others follow ``weights``. ``head_rows``: a native output head of the
+    vocabulary's first ids only, and the rows of other tokens as they are seen (a draft
+    model's: `DraftHead`, `paged_setup.load_draft`)."""
     _check_mode(weights)
     cfg = config_from_spec(spec)
     t = GGUFTensors(spec)
@@ -258,8 +262,10 @@ def load_gguf(
     head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
     native_head = None  # the file's own bytes: reads what the file holds, no more
     if quant is not None and weights == "auto":
-        hp = src.part(head)
+        hp = src.part(head, (lambda a: a[:head_rows]) if head_rows else _same)
         native_head = quant([hp.quant()], None) if hp.quant is not None else None
+        if native_head is not None and head_rows:
+            native_head = DraftHead(native_head, head_rows, t.embedding(head), cfg.vocab_size)
     if native_head is None and int4 is not None and t.info(head).ggml_type in INT4_TYPES and t.info(head).shape[0] % 32 == 0:
         native_head = int4(t.int4(head), None)  # exact 4-bit codes: the head reads half of INT8's bytes
     lm_head = native_head

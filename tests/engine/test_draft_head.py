@@ -1,0 +1,86 @@
+"""A draft model's head over part of the vocabulary (`DraftHead`), on the starter model: the
+first ids computed as the full head computes them, the tokens it is told of beside them, -inf
+elsewhere; and speculative decoding with such a draft still gives plain greedy's tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from llmlocal.engine import Engine, Plan, Request, SamplingParams, TokenEvent
+from llmlocal.engine.backends import paged_setup
+from llmlocal.engine.model import draft_head
+from llmlocal.engine.model.draft_head import DraftHead
+from llmlocal.engine.model.fast_decode import native_int4, native_quant
+from llmlocal.engine.model.loader import load_gguf
+from llmlocal.models import resolve
+
+PREFIX = 4096  # of the starter's 49,152 ids
+PROMPT = "Name three colours of the rainbow."
+
+
+@pytest.fixture
+def small_head(monkeypatch):
+    monkeypatch.setattr(paged_setup, "DRAFT_HEAD_IDS", PREFIX)
+
+
+def load(prefix: int | None) -> torch.nn.Module:
+    model = resolve(None)
+    if prefix is None:  # the draft's network as a target loads it: the whole head
+        cpu = torch.device("cpu")
+        return load_gguf(model.spec, cpu, torch.float32, "auto", max_position=512, int4=native_int4(cpu, torch.float32),
+                         quant=native_quant(cpu, torch.float32, model.spec))
+    return paged_setup.load_draft(model, torch.device("cpu"), torch.float32, 512)
+
+
+def test_head_computes_its_prefix_and_the_tokens_it_was_told_of(small_head) -> None:
+    full, cut = load(None), load(PREFIX)
+    head = cut.lm_head
+    assert isinstance(head, DraftHead) and head.prefix_ids == PREFIX
+    h = torch.randn(3, head.rows.width)
+    want = full.logits(h)
+    got = cut.logits(h)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got[:, :PREFIX], want[:, :PREFIX], rtol=0, atol=0)  # the same kernels, the same rows
+    assert torch.isneginf(got[:, PREFIX:]).all()
+
+    rare = [PREFIX, 20_000, 49_151]
+    head.include(rare + [7, 20_000])  # ids in the prefix and repeats change nothing
+    assert sorted(head.extra_ids.tolist()) == rare
+    got = cut.logits(h)
+    # float rows and float activations, against the kernels' int8 activations: close, not equal
+    torch.testing.assert_close(got[:, rare], want[:, rare], rtol=0.02, atol=0.05)
+    others = torch.ones(got.shape[1], dtype=torch.bool)
+    others[:PREFIX] = False
+    others[rare] = False
+    assert torch.isneginf(got[:, others]).all()
+
+
+def test_head_keeps_at_most_its_room_of_extra_rows(small_head, monkeypatch) -> None:
+    monkeypatch.setattr(draft_head, "MAX_EXTRA_ROWS", 5)
+    head = load(PREFIX).lm_head
+    head.include(range(PREFIX, PREFIX + 3))
+    head.include(range(PREFIX + 10, PREFIX + 20))
+    assert head.extra_ids.tolist() == [PREFIX, PREFIX + 1, PREFIX + 2, PREFIX + 10, PREFIX + 11]
+    assert head.extra.shape == (5, head.rows.width)
+    assert math.isfinite(float(head(torch.randn(1, head.rows.width))[0, PREFIX + 11]))
+
+
+def test_greedy_with_a_cut_head_draft_equals_plain_greedy(small_head) -> None:
+    plan = Plan(backend="paged", n_ctx=512, max_batch=2)
+    request = Request.chat([{"role": "user", "content": PROMPT}], SamplingParams(temperature=0, max_tokens=40))
+
+    def tokens(e: Engine) -> list[int]:
+        return [t for ev in e.generate(request) if isinstance(ev, TokenEvent) for t in ev.token_ids]
+
+    with Engine.load(plan) as e:
+        prompt = e.prompt_ids(request)
+        expected = tokens(e)
+    with Engine.load(plan.replace(draft="smollm2-135m", draft_k=3)) as e:
+        assert tokens(e) == expected
+        head = e.backend.drafter.head  # type: ignore[attr-defined]
+        assert isinstance(head, DraftHead)
+        # the text's rarer tokens may be drafted (all but the last, chosen after the last draft)
+        rare = {t for t in prompt + expected[:-1] if t >= PREFIX}
+        assert rare and rare <= set(head.extra_ids.tolist())
