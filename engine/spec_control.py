@@ -5,7 +5,8 @@ the previous ones), drafting k tokens yields E(k) = 1 + a + ... + a^k = (1 - a^(
 tokens per target step. A step costs the target's forward pass over B + sum(k_i) tokens plus
 the draft's k_max passes. Both costs are modelled as t(M) = c + s * M for a pass over M
 tokens (fixed cost: weights read once and per-pass overhead; s: per-token compute) and
-fitted by least squares over the last steps. The target has two fits: steps where every
+fitted by least squares over the last steps; a width measured lately is priced by its own
+measurements (`LinearCost`). The target has two fits: steps where every
 sequence decodes one token ("plain": on a CPU the native one-call decode path, several times
 cheaper than the torch layers that verify drafts), and steps that check drafts (a step with
 a prompt in it is not observed: per token it costs what neither does); not drafting is priced
@@ -31,6 +32,7 @@ per token too) and the acceptance; from then on the measurements decide.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -50,14 +52,19 @@ class _Acceptance:
 
 @dataclass
 class LinearCost:
-    """t(M) = fixed + per_token * M, fitted to recent (M, seconds) observations."""
+    """t(M) = fixed + per_token * M, fitted to recent (M, seconds) observations; at a width M
+    measured at least twice lately, the median of those measurements instead. A step's cost
+    is not a line in M: the CPU kernels take a step's rows four at a time (a step of 5 tokens
+    costs about what one of 8 costs), and a line fitted across such widths misprices both."""
 
     fixed: float
     per_token: float
     history: deque = field(default_factory=lambda: deque(maxlen=64))
+    by_width: dict[int, deque] = field(default_factory=dict)
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.history.append((float(tokens), seconds))
+        self.by_width.setdefault(tokens, deque(maxlen=8)).append(seconds)
         if len(self.history) < 4:
             if len(self.history) == 1:  # first measurement: scale the prior to it
                 prior = self(tokens)
@@ -78,6 +85,9 @@ class LinearCost:
         self.fixed = max(my - self.per_token * mx, 1e-6)
 
     def __call__(self, tokens: float) -> float:
+        measured = self.by_width.get(tokens) if float(tokens).is_integer() else None
+        if measured is not None and len(measured) >= 2:
+            return statistics.median(measured)
         return self.fixed + self.per_token * tokens
 
 

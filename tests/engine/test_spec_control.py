@@ -104,3 +104,24 @@ def test_a_gpu_drafts_at_once_and_a_free_drafter_is_tried_on_a_cpu() -> None:
     ngram = DraftLength(draft_ratio=0.0, per_token=PER_TOKEN_PRIOR["cpu"])
     ngram.observe_target(1, 0.070, plain=True)
     assert ngram.choose([7], 1, room)[7] >= 1
+
+
+def test_a_width_measured_is_priced_by_its_measurements_not_the_line() -> None:
+    """On a CPU the kernels take a step's rows four at a time: checking 4 tokens costs 1.3
+    plain steps, 5 tokens 1.9. A line fitted across those widths prices 4 tokens dearer and 5
+    cheaper than they are (here it chose k = 1); the widths' own measurements choose k = 3."""
+    from llmlocal.engine.spec_control import PER_TOKEN_PRIOR
+
+    dl = DraftLength(draft_ratio=0.35, per_token=PER_TOKEN_PRIOR["cpu"])
+    step = {1: 0.050, 2: 0.055, 3: 0.060, 4: 0.065, 5: 0.095, 6: 0.100}
+    for _ in range(4):
+        dl.observe_target(1, step[1], plain=True)
+    for _ in range(3):
+        for width in range(2, 7):
+            dl.observe_target(width, step[width])
+            dl.observe_draft(width - 1, width - 1, 0.017 * (width - 1))
+    for _ in range(30):
+        dl.observe(7, 4, 4)
+        dl.observe(7, 4, 3)  # about 0.9 per token
+    assert dl.target(5) == step[5] and dl.target(4) == step[4]
+    assert dl.choose([7], 1, {7: 100}) == {7: 3}
