@@ -1,9 +1,10 @@
 """`llmlocal bench spec`: speculative decoding against the same target decoding alone.
 
 Target: the model at full precision (fp32 weights dequantized from the GGUF), drafted by the
-same file as INT4 weight-only; or, with ``--draft M``, the model as it runs for a user (its
-GGUF types in the native kernels on a CPU) drafted by M. And n-gram prompt lookup on a
-"summarise this pasted text" prompt. Greedy throughout, so every run produces the same tokens as the target
+same file as INT4 weight-only, on a story prompt; or, with ``--draft M``, the model as it runs
+for a user (its GGUF types in the native kernels on a CPU) drafted by M, on a coding prompt and
+(batch 1) on the summarising one. And n-gram prompt lookup on a "summarise this pasted text"
+prompt. Greedy throughout, so every run produces the same tokens as the target
 alone and the speedups compare equal work. Batch 1 (one request) and batch 8 (eight
 concurrent requests, aggregate tokens per second). The three engines take turns (``--rounds``).
 """
@@ -31,6 +32,7 @@ PASTED = (
     "accounts through all of it, was elected to the council, the first woman to sit there."
 )
 SUMMARISE = f"Summarise this text in a few sentences, keeping its key facts:\n\n{PASTED}"
+CODE = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
 
 
 def _generate(engine: Engine, prompt: str, max_tokens: int) -> DoneEvent:
@@ -88,9 +90,11 @@ def bench_spec(
         target = Plan(model=model, backend="paged", n_ctx=2048, max_batch=batch)
     else:
         target = Plan(model=model, backend="paged", weights="dense", dtype="fp32", n_ctx=2048, max_batch=batch)
+    plain = CODE if draft else STORY  # a draft model of its own: what small drafts are for
+    separate = draft is not None
     draft = draft or model or "smollm2-135m"
-    single = {"plain": [STORY], "ngram": [SUMMARISE]}
-    many = {"plain": [f"{STORY} ({i})" for i in range(batch)], "ngram": [f"{SUMMARISE}\n({i})" for i in range(batch)]}
+    single = {"plain": [plain], "ngram": [SUMMARISE]}
+    many = {"plain": [f"{plain} ({i})" for i in range(batch)], "ngram": [f"{SUMMARISE}\n({i})" for i in range(batch)]}
     plans = {"base": target, "draft": target.replace(draft=draft), "ngram": target.replace(draft="ngram")}
     labels = list(plans)
     per_round: list[dict[str, dict[str, dict[str, float]]]] = []
@@ -108,6 +112,8 @@ def bench_spec(
                 if label == "base":  # the plain target on the n-gram prompts too
                     runs["ngram_batch1"] = _serve(engine, single["ngram"], max_tokens)
                     runs[f"ngram_batch{batch}"] = _serve(engine, many["ngram"], max_tokens)
+                if label == "draft" and separate:  # and a draft model on the summarising prompt
+                    runs["summarise_batch1"] = _serve(engine, single["ngram"], max_tokens)
                 figures[label] = runs
             per_round.append(figures)
     finally:
@@ -117,7 +123,7 @@ def bench_spec(
     def row(figures: dict[str, dict[str, dict[str, float]]], size: str) -> dict[str, float]:
         base, spec, ngram = figures["base"][size], figures["draft"][size], figures["ngram"][size]
         base_ngram = figures["base"][f"ngram_{size}"]
-        return {
+        out = {
             "speedup": spec["tok_s"] / base["tok_s"],
             "acceptance_rate": spec["acceptance_rate"],
             "tokens_per_step": spec["tokens_per_step"],
@@ -128,6 +134,11 @@ def bench_spec(
             "spec_tok_s": spec["tok_s"],
             "drafted_per_step": spec["drafted"] / max(1.0, spec["tokens"] / spec["tokens_per_step"]),
         }
+        summarise = figures["draft"].get(f"summarise_{size}")
+        if summarise is not None:
+            out["summarise_speedup"] = summarise["tok_s"] / base_ngram["tok_s"]
+            out["summarise_acceptance_rate"] = summarise["acceptance_rate"]
+        return out
 
     def median_row(size: str) -> dict[str, Any]:
         rows = [row(figures, size) for figures in per_round]

@@ -158,8 +158,12 @@ class DraftLength:
         self._widest = max(self._widest, tokens)
 
     def _plain_cost(self, batch: int) -> float:
-        """Seconds of a step without drafts: measured on plain steps once there are some."""
-        return self.plain(batch) if len(self.plain.history) >= 4 else self.target(batch)
+        """Seconds of a step without drafts: measured on plain steps once there are some, and
+        never more than a checking step of as many tokens was measured to cost (the plain fit
+        knows only the widths plain steps had: at batch 1 alone its slope is the prior's)."""
+        cost = self.plain(batch) if len(self.plain.history) >= 4 else self.target(batch)
+        checked = self.target.by_width.get(batch)
+        return min(cost, statistics.median(checked)) if checked else cost
 
     def observe_draft(self, tokens: int, passes: int, seconds: float) -> None:
         """The draft ran ``passes`` forward passes over ``tokens`` tokens in all."""

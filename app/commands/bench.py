@@ -5,8 +5,9 @@ Scenarios:
   batch    N concurrent requests: paged (batched) vs llamacpp (one after another), KV waste
   prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold
   prefill  TTFT of a long prompt (--prompt-tokens), cold, per backend in --backends
-  spec     speculative decoding (paged): an fp32 target with an INT4 draft of itself (or
-           --draft M), and n-gram lookup on a summarising prompt; batch 1 and batch 8
+  spec     speculative decoding (paged): an fp32 target with an INT4 draft of itself on a
+           story (or --draft M on a coding and a summarising prompt), and n-gram lookup on
+           the summarising prompt; batch 1 and batch 8
   sparse   decode of the sparse backend (at --sparsity S, and at 0 through the same kernels)
            vs dense llama.cpp on the same GGUF, and the kernels' bandwidth; a model without
            thresholds is calibrated first (cached)

@@ -125,3 +125,26 @@ def test_a_width_measured_is_priced_by_its_measurements_not_the_line() -> None:
         dl.observe(7, 4, 3)  # about 0.9 per token
     assert dl.target(5) == step[5] and dl.target(4) == step[4]
     assert dl.choose([7], 1, {7: 100}) == {7: 3}
+
+
+def test_not_drafting_is_never_priced_above_a_checking_step_of_as_many_tokens() -> None:
+    """Plain steps measured at batch 1 only leave the plain fit's slope at the CPU prior (a
+    token costs most of a step), which prices a plain batch-8 step at several seconds' worth
+    of steps; a checking step of 8 tokens measured at twice a one-token step bounds it, and
+    drafting a token each (16-token steps, about twice the cost again) does not pay."""
+    from llmlocal.engine.spec_control import PER_TOKEN_PRIOR
+
+    dl = DraftLength(draft_ratio=0.35, per_token=PER_TOKEN_PRIOR["cpu"])
+    for _ in range(4):
+        dl.observe_target(1, 0.050, plain=True)
+    for _ in range(2):
+        dl.observe_target(8, 0.105)
+        dl.observe_target(16, 0.200)
+    for _ in range(4):
+        dl.observe_draft(8, 1, 0.040)
+    seqs = list(range(8))
+    for sid in seqs:
+        for _ in range(10):
+            dl.observe(sid, 1, 1)
+    ks = dl.choose(seqs, 8, {sid: 100 for sid in seqs})
+    assert sum(ks.values()) <= 1  # at most one sequence tries one token (a width not yet measured)
