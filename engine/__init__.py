@@ -4,8 +4,11 @@ Importing this package is cheap: backends import their heavy libraries when load
 """
 
 from .engine import ContextOverflowError, Engine
+from .openmp import share_cpus
 from .plan import Plan
 from .types import DoneEvent, Event, Grammar, Message, Request, SamplingParams, Stats, TokenEvent, TokenLogprob
+
+share_cpus()  # before any OpenMP library loads: the imports above load none (openmp.py)
 
 __all__ = [
     "ContextOverflowError",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import random
 import statistics
 import threading
@@ -25,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .engine import Engine
+from .openmp import fastest_when_idle
 from .plan import Plan
 from .types import DoneEvent, Request, SamplingParams, Stats
 
@@ -89,7 +91,10 @@ class _EngineProcess:
     def __init__(self, plan: Plan, warmup: list[dict[str, str]]) -> None:
         ctx = multiprocessing.get_context("spawn")  # no copy of this process's threads or torch state
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_process, args=(child, plan, warmup), daemon=True)
+        # llama.cpp at its fastest on an idle machine: its OpenMP threads spin as long as libgomp's
+        # default lets them, not llmlocal's short wait (openmp.py)
+        env = fastest_when_idle() if plan.backend == "llamacpp" else {}
+        self._proc = ctx.Process(target=_engine_process, args=(child, plan, warmup, env), daemon=True)
         self._proc.start()
         child.close()
         kind, value = self._recv()
@@ -137,8 +142,9 @@ def _engines_apart(
             engine.close()
 
 
-def _engine_process(conn: Connection, plan: Plan, warmup: list[dict[str, str]]) -> None:
+def _engine_process(conn: Connection, plan: Plan, warmup: list[dict[str, str]], env: dict[str, str]) -> None:
     """The child of `_EngineProcess`: load, warm up, then answer requests until told to stop."""
+    os.environ.update(env)  # before the backend's libraries load
     try:
         engine = Engine.load(plan)
     except Exception as e:  # noqa: BLE001 - handed to the parent, which raises it
