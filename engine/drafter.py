@@ -21,7 +21,7 @@ from .block_manager import BlockManager
 from .model.draft_head import DraftHead
 from .model_runner import ModelRunner, StepItem
 from .grammar import Constraint, mask_logits
-from .sampling import apply_repeat_penalty, filtered_probs
+from .sampling import apply_repeat_penalty, draw, filtered_probs
 from .sequence import Sequence
 from .types import SamplingParams
 
@@ -221,4 +221,4 @@ def _draw(
     if params.greedy:
         return int(row.argmax()), None
     q = filtered_probs(row, params)
-    return int(torch.multinomial(q, 1, generator=generator)), q
+    return draw(q, generator), q

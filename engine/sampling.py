@@ -32,15 +32,19 @@ def apply_repeat_penalty(logits: torch.Tensor, history: Sequence[int], params: S
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(V,) float32 logits -> (V,) probabilities after top-k, top-p, min-p and temperature.
 
-    Only for temperature > 0 (greedy has no distribution to draw from).
+    Only for temperature > 0 (greedy has no distribution to draw from). With top-k on, the
+    later filters run on its survivors alone (a sort of 40 values, not of a 152k vocabulary:
+    4 ms a token before).
     """
     logits = logits.float()
-    keep = torch.ones_like(logits, dtype=torch.bool)
+    survivors = None
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
-        keep &= logits >= kth
+        survivors = (logits >= kth).nonzero().view(-1)  # ties with the k-th included
+    sub = logits if survivors is None else logits[survivors]
+    keep = torch.ones_like(sub, dtype=torch.bool)
     if params.top_p < 1.0 or params.min_p > 0.0:
-        p = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        p = torch.softmax(sub.masked_fill(~keep, float("-inf")), dim=-1)
         if params.top_p < 1.0:
             sorted_p, order = torch.sort(p, descending=True)
             # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
@@ -50,8 +54,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
             keep &= ~drop
         if params.min_p > 0.0:
             keep &= p >= params.min_p * p.max()
-    scaled = logits.masked_fill(~keep, float("-inf")) / params.temperature
-    return torch.softmax(scaled, dim=-1)
+    probs = torch.softmax(sub.masked_fill(~keep, float("-inf")) / params.temperature, dim=-1)
+    if survivors is None:
+        return probs
+    return torch.zeros_like(logits).index_copy_(0, survivors, probs)
 
 
 def sample_batch(
@@ -69,9 +75,15 @@ def sample_batch(
         if p.greedy:
             out.append(int(row.argmax()))
             continue
-        probs = filtered_probs(row, p)
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+        out.append(draw(filtered_probs(row, p), gen))
     return out
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn from (V,) probabilities, among those above zero only (after top-k, a few
+    dozen: drawing over the whole vocabulary took 2.8 ms a token)."""
+    support = probs.nonzero().view(-1)
+    return int(support[torch.multinomial(probs[support], 1, generator=generator)])
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import apply_repeat_penalty, filtered_probs
+from .sampling import apply_repeat_penalty, draw, filtered_probs
 from .types import SamplingParams
 
 
@@ -69,7 +69,7 @@ def verify(
         else:
             p = filtered_probs(row, params)  # (V,)
             if i == k:
-                return Verdict(k, int(torch.multinomial(p, 1, generator=generator)))
+                return Verdict(k, draw(p, generator))
             d = drafts[i]
             q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
             u = float(torch.rand((), generator=generator, device=p.device))
@@ -83,6 +83,6 @@ def verify(
                 residual = (p - draft_probs[i].to(p.device)).clamp_(min=0.0)
             if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection was ~impossible
                 residual = p
-            return Verdict(i, int(torch.multinomial(residual, 1, generator=generator)))
+            return Verdict(i, draw(residual, generator))
         seen.append(drafts[i])
     raise AssertionError("unreachable: the last row always returns")
