@@ -150,6 +150,8 @@ class DraftModel:
                     continue
                 if r.constraint is not None:  # a draft the grammar forbids would only be rejected
                     mask_logits(logits[row], r.constraint.allowed())
+                    if not bool(torch.isfinite(logits[row]).any()):
+                        continue  # the grammar allows no token the draft's head has (`DraftHead`): stop here
                 token, q = _draw(logits[row], r.params, m.token_ids, r.generator)
                 ends = r.constraint is not None and r.constraint.ends(token)
                 if r.constraint is not None and not ends:

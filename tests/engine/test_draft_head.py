@@ -4,11 +4,12 @@ elsewhere; and speculative decoding with such a draft still gives plain greedy's
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
-from llmlocal.engine import Engine, Plan, Request, SamplingParams, TokenEvent
+from llmlocal.engine import DoneEvent, Engine, Grammar, Plan, Request, SamplingParams, TokenEvent
 from llmlocal.engine.backends import paged_setup
 from llmlocal.engine.model import draft_head
 from llmlocal.engine.model.draft_head import DraftHead
@@ -84,3 +85,29 @@ def test_greedy_with_a_cut_head_draft_equals_plain_greedy(small_head) -> None:
         # the text's rarer tokens may be drafted (all but the last, chosen after the last draft)
         rare = {t for t in prompt + expected[:-1] if t >= PREFIX}
         assert rare and rare <= set(head.extra_ids.tolist())
+
+
+def test_a_grammar_that_allows_only_tokens_the_head_lacks_stops_the_draft(monkeypatch) -> None:
+    """With a head of the first 16 ids, a choice of words not in the prompt leaves the draft no
+    allowed token at most steps: it stops proposing there (it proposed a forbidden token, 6 of 7
+    rejected, before; drawing a sampled token from no allowed token fails), and the reply is the
+    target's. Draft and target are the same file here, so what the draft does propose is kept."""
+    monkeypatch.setattr(paged_setup, "DRAFT_HEAD_IDS", 16)
+    plan = Plan(backend="paged", n_ctx=512, max_batch=2)
+    grammar = Grammar("choice", json.dumps(["Photosynthesis in green leaves", "Volcanic eruptions underwater"]))
+
+    def reply(e: Engine, params: SamplingParams) -> DoneEvent:
+        events = list(e.generate(Request.chat([{"role": "user", "content": "Pick one."}], params)))
+        done = events[-1]
+        assert isinstance(done, DoneEvent)
+        return done
+
+    greedy = SamplingParams(temperature=0, max_tokens=20, grammar=grammar)
+    with Engine.load(plan) as e:
+        expected = reply(e, greedy).text
+    with Engine.load(plan.replace(draft="smollm2-135m", draft_k=3)) as e:
+        done = reply(e, greedy)
+        assert done.text == expected
+        assert done.stats.drafted_tokens == done.stats.accepted_tokens
+        sampled = reply(e, SamplingParams(temperature=0.9, seed=3, max_tokens=20, grammar=grammar))
+        assert sampled.text in ("Photosynthesis in green leaves", "Volcanic eruptions underwater")
