@@ -523,6 +523,15 @@ AI void superblock_update16(acc16 *s, __m512 d, __m512 dmin, const int KIND) {
     s->fs = s->fm = _mm512_setzero_ps();
 }
 
+/* superblock_update16 of super-block sb (its d and dmin from the chunk's factors) on rows s[0 .. n). */
+AI void superblocks_update16(acc16 *s, unsigned n, const chunk_fac *cf, unsigned sb, const int KIND) {
+    if (!n) return;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf->d + 32 * sb)));
+    const __m512 dmin = KIND == KIND_KQ ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf->m + 32 * sb)))
+                                        : _mm512_setzero_ps();
+    for (unsigned r = 0; r < n; r++) superblock_update16(&s[r], d, dmin, KIND);
+}
+
 /* The codes of half h of the quad at p in one vector: element e holds row 16 h + e's four codes
  * (load_half_il's W[0] in the low half, W[1] in the high half). */
 AI __m512i load_half16(const uint8_t *p, const int h, const int BITS) {
@@ -583,12 +592,7 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
                 group_update16(&s[b], &F, acc[b], a->dx[(size_t)(b0 + b) * a->dx_stride + qb], a->xs[(size_t)g * B + b0 + b],
                                KIND, j % 2 == 0);
         }
-        if (KIND != KIND_PLAIN) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf.d + 32 * sb)));
-            const __m512 dmin = KIND == KIND_KQ ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf.m + 32 * sb)))
-                                                : _mm512_setzero_ps();
-            for (int b = 0; b < BB; b++) superblock_update16(&s[b], d, dmin, KIND);
-        }
+        if (KIND != KIND_PLAIN) superblocks_update16(s, (unsigned)BB, &cf, sb, KIND);
     }
     for (int b = 0; b < BB; b++) _mm512_storeu_ps(ybuf + (size_t)(b0 + b) * m->npad + n, s[b].y);
 }
@@ -742,12 +746,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
             }
         }
 #ifdef QM_AMX
-        if (KIND != KIND_PLAIN && R) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf.d + 32 * sb)));
-            const __m512 dmin = KIND == KIND_KQ ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf.m + 32 * sb)))
-                                                : _mm512_setzero_ps();
-            for (unsigned r = 0; r < R; r++) superblock_update16(&st[r], d, dmin, KIND);
-        }
+        if (KIND != KIND_PLAIN) superblocks_update16(st, R, &cf, sb, KIND);
 #endif
         if (KIND != KIND_PLAIN)
             for (int t = 0; t < 2; t++) {
