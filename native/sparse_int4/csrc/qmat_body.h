@@ -327,6 +327,14 @@ AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, i
  * pass width: a row's result does not depend on the rows computed beside it. */
 
 enum { KIND_PLAIN, KIND_KQ, KIND_Q6 };
+
+/* Group g's tile of a chunk (interleaved layout), its lines prefetched `pf` bytes ahead (0: none). */
+AI const uint8_t *group_tile(const uint8_t *chunk, unsigned g, size_t tile_bytes, int pf) {
+    const uint8_t *p = chunk + (size_t)g * tile_bytes;
+    if (pf) /* the tile's lines, once, ahead of the stream */
+        for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
+    return p;
+}
 #define NB_MAX 4 /* rows of x per pass over a half */
 
 /* A chunk's factors from row n on (interleaved: each array chunk by chunk, qm_fat): factor f
@@ -570,9 +578,7 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
     for (unsigned sb = 0; sb < G / PER_SB; sb++) {
         for (unsigned j = 0; j < PER_SB; j++) {
             const unsigned g = sb * PER_SB + j, qb = g * GROUP / QM_QBLOCK;
-            const uint8_t *p = chunk + (size_t)g * tile_bytes;
-            if (pf) /* the tile's lines, once, ahead of the stream */
-                for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
+            const uint8_t *p = group_tile(chunk, g, tile_bytes, pf);
             const int8_t *qx = a->qx + (size_t)(b0) * qs + (size_t)g * GROUP;
             __m512i acc[NB_MAX];
             for (int b = 0; b < BB; b++) acc[b] = _mm512_setzero_si512();
@@ -698,9 +704,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
     for (unsigned sb = 0; sb < G / PER_SB; sb++) {
         for (unsigned j = 0; j < PER_SB; j++) {
             const unsigned g = sb * PER_SB + j, qb = g * GROUP / QM_QBLOCK;
-            const uint8_t *p = chunk + (size_t)g * tile_bytes;
-            if (pf) /* the tile's lines, once, ahead of the stream */
-                for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
+            const uint8_t *p = group_tile(chunk, g, tile_bytes, pf);
             fac8 f[2];
             for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
             const int8_t *qx = a->qx + (size_t)g * GROUP;
