@@ -90,6 +90,15 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
                int32_t *goff, int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts,
                int *n_slots) {
     const int n_groups = k / group, nq = k / QM_QBLOCK;
+    if (dense && g_dense_prepare) { /* every column in order: the ISA's vector path makes dx too */
+        g_dense_prepare(x, x_stride, batch, k, group, qx, qx_stride, dx, dx_stride, xs);
+        for (int j = 0; j < k; j++) cols[j] = j;
+        for (int g = 0; g <= n_groups; g++) goff[g] = g * group;
+        if (row_counts)
+            for (int b = 0; b < batch; b++) row_counts[b] = k;
+        *n_slots = k;
+        return k;
+    }
     /* per row: the scale of each block of 32 inputs over the values it keeps */
     for (int b = 0; b < batch; b++) {
         const float *xb = x + (size_t)b * x_stride;
@@ -105,13 +114,6 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
             dx[(size_t)b * dx_stride + q] = amax / 127.0f;
         }
         if (row_counts) row_counts[b] = cnt;
-    }
-    if (dense && g_dense_prepare) { /* every column in order: the ISA's vector path */
-        g_dense_prepare(x, x_stride, batch, k, group, qx, qx_stride, dx, dx_stride, xs);
-        for (int j = 0; j < k; j++) cols[j] = j;
-        for (int g = 0; g <= n_groups; g++) goff[g] = g * group;
-        *n_slots = k;
-        return k;
     }
     int n = 0, kept = 0;
     int32_t isum[QM_MAX_BATCH];
