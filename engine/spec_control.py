@@ -85,7 +85,7 @@ class LinearCost:
         self.fixed = max(my - self.per_token * mx, 1e-6)
 
     def __call__(self, tokens: float) -> float:
-        measured = self.by_width.get(tokens) if float(tokens).is_integer() else None
+        measured = self.by_width.get(tokens)  # type: ignore[call-overload]  # 5.0 finds the key 5
         if measured is not None and len(measured) >= 2:
             return statistics.median(measured)
         return self.fixed + self.per_token * tokens
@@ -125,11 +125,6 @@ class DraftLength:
         self._probe: list[int] = []  # draft lengths still to try in the probe
         self._free = draft_ratio <= 0.0  # a drafter without passes (n-gram lookup): never probed
         self._probed = self._free
-        # Once probed, the cost of checking is known only as far as it was measured: a step is
-        # bound by memory up to some width and by arithmetic beyond (a CPU at batch 8), which
-        # a line fitted to narrow steps does not foresee. So the controller drafts at most one
-        # token wider than the widest checking step it has timed, and widens as it measures.
-        self._widest = 0
 
     def _counts(self, seq_id: int) -> _Acceptance:
         acc = self._acc.get(seq_id)
@@ -155,7 +150,6 @@ class DraftLength:
             self.plain.observe(tokens, seconds)
             return
         self.target.observe(tokens, seconds)
-        self._widest = max(self._widest, tokens)
 
     def _plain_cost(self, batch: int) -> float:
         """Seconds of a step without drafts: measured on plain steps once there are some, and
@@ -204,11 +198,16 @@ class DraftLength:
         order = sorted(seq_ids, key=self.rate, reverse=True)
         rates = [self.rate(s) for s in order]
         best = (batch / self._plain_cost(batch), 0, 0)  # (tokens per second, k, how many draft)
+        # Once probed, the cost of checking is known only as far as it was measured: a step is
+        # bound by memory up to some width and by arithmetic beyond (a CPU at batch 8), which
+        # a line fitted to narrow steps does not foresee. So the controller drafts at most one
+        # token wider than the widest checking step it has timed, and widens as it measures.
+        widest = max(self.target.by_width, default=0)
         for k in range(1, self.k_max + 1):
             gained = 0.0
             for m in range(1, len(order) + 1):
                 gained += expected_tokens(k, rates[m - 1]) - 1.0
-                if self._probed and not self._free and batch + k * m > self._widest + 1:
+                if self._probed and not self._free and batch + k * m > widest + 1:
                     break  # beyond the checking steps measured, by more than a token: not trusted
                 seconds = self.target(batch + k * m) + k * self.draft(m)
                 speed = (batch + gained) / seconds

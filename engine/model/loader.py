@@ -29,7 +29,6 @@ from llmlocal.native.sparse_int4.qlayout import QuantRows
 
 from .config import ModelConfig, config_from_hf, config_from_spec
 from .draft_head import DraftHead
-
 from .gguf_tensors import INT4_TYPES, GGUFTensors, Int4Codes, QuantEmbedding
 from .linear import DenseLinear, Int4Linear, Int8Linear, Linear
 from .llama import DecoderLayer, LlamaModel, RMSNorm
