@@ -21,7 +21,6 @@ import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,8 +30,7 @@ from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from ..block_manager import BlockManager
 from ..detokenize import TextStream
-from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter, Proposal
-from ..grammar import Constraint
+from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter
 from ..model.llama import LlamaModel
 from ..model.fast_decode import FastDecode, native_int4, native_quant
 from ..model.loader import load_gguf, load_hf
@@ -48,6 +46,7 @@ from ..step_masks import StepMasks
 from ..tokenizer import Tokenizer, start_tokenizer
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 from .paged_setup import check_same_vocabulary, load_draft, pick_device, pick_dtype, pick_kv_dtype
+from .paged_stream import EngineFailure, Stream
 
 # Engines not closed by their owner are closed at interpreter exit, while their threads still
 # run: finalizing the modules under a running decode loop aborted the process.
@@ -59,35 +58,6 @@ def _close_open_backends() -> None:
     for backend in list(_OPEN):
         backend.close()
 
-
-
-@dataclass
-class _Stream:
-    """Per-request state, hung on `Sequence.extra`."""
-
-    request: Request
-    cancel: threading.Event
-    recorder: StatsRecorder
-    text: TextStream
-    generator: torch.Generator | None
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # shared by a request's samples
-    index: int = 0  # which of the request's n samples
-    siblings: list[_Stream] = field(default_factory=list)  # samples 1..n-1, forked at the first token
-    kv_blocks_used: int = 0  # pool blocks in use at this sequence's last step
-    proposal: Proposal | None = None  # the drafts appended to the sequence for this step
-    drafted: int = 0  # draft tokens verified, and how many of them the target kept
-    accepted: int = 0
-    target_steps: int = 0  # steps that produced tokens for this sample
-    start_mark: object = None  # a subclass's counters when the request started (`_extra_stats`)
-    constraint: Constraint | None = None  # the request's grammar: where this sample stands in it
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens' so far, when asked for
-
-
-class _EngineFailure:
-    """Pushed to every open stream when a step raises: the consumer re-raises it."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
 
 
 class PagedBackend:
@@ -179,7 +149,7 @@ class PagedBackend:
             return load_gguf(model.spec, device, dtype, plan.weights, max_position=n_ctx, int4=int4, quant=quant)
         return load_hf(model.path, device, dtype, plan.weights, max_position=n_ctx)
 
-    def _extra_stats(self, stream: _Stream) -> dict[str, object]:
+    def _extra_stats(self, stream: Stream) -> dict[str, object]:
         """`Stats` fields a subclass reports for a finished request (none here)."""
         return {}
 
@@ -224,7 +194,7 @@ class PagedBackend:
         try:
             while remaining:
                 event = events.get()
-                if isinstance(event, _EngineFailure):
+                if isinstance(event, EngineFailure):
                     raise event.error
                 yield event
                 if isinstance(event, DoneEvent):
@@ -234,10 +204,10 @@ class PagedBackend:
                 cancel.set()
                 self._wake.set()
 
-    def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> _Stream:
+    def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> Stream:
         p = request.sampling
         seed = p.seed + index if p.seed is not None else None
-        return _Stream(
+        return Stream(
             request=request,
             cancel=cancel,
             recorder=StatsRecorder(self.name, self.device),
@@ -264,8 +234,8 @@ class PagedBackend:
                     except BaseException as e:  # a bug: tell every waiting consumer, keep serving
                         for seq in list(self._live.values()):
                             self.scheduler.abort(seq.seq_id)
-                            stream: _Stream = seq.extra  # type: ignore[assignment]
-                            stream.events.put(_EngineFailure(e))
+                            stream: Stream = seq.extra  # type: ignore[assignment]
+                            stream.events.put(EngineFailure(e))
                         self._live.clear()
                     continue
             self._wake.wait()
@@ -316,10 +286,10 @@ class PagedBackend:
         sampled: dict[int, int] = {}
         accepted: dict[int, int] = {}
         stopped: set[int] = set()
-        forks: list[tuple[Sequence, list[tuple[_Stream, int, TokenLogprob | None]]]] = []
+        forks: list[tuple[Sequence, list[tuple[Stream, int, TokenLogprob | None]]]] = []
         row = 0
         for it, tokens in zip(sampled_items, new_tokens):
-            stream: _Stream = it.seq.extra  # type: ignore[assignment]
+            stream: Stream = it.seq.extra  # type: ignore[assignment]
             sid = it.seq.seq_id
             stream.kv_blocks_used = used
             stream.target_steps += 1
@@ -365,7 +335,7 @@ class PagedBackend:
         plain = [i for i, it in enumerate(items) if not it.seq.num_draft_tokens]
         out: list[list[int]] = [[] for _ in items]
         if plain:
-            streams: list[_Stream] = [items[i].seq.extra for i in plain]  # type: ignore[misc]
+            streams: list[Stream] = [items[i].seq.extra for i in plain]  # type: ignore[misc]
             rows = torch.as_tensor([int(starts[i]) for i in plain])
             tokens = sample_batch(
                 logits[rows],
@@ -379,7 +349,7 @@ class PagedBackend:
             if out[i]:
                 continue
             seq, stream = it.seq, it.seq.extra
-            assert isinstance(stream, _Stream) and stream.proposal is not None
+            assert isinstance(stream, Stream) and stream.proposal is not None
             k = seq.num_draft_tokens  # the scheduler may have trimmed the proposal
             drafts = seq.token_ids[seq.num_tokens - k :]
             probs = stream.proposal.probs[:k] if stream.proposal.probs is not None else None
@@ -412,7 +382,7 @@ class PagedBackend:
         requests = []
         for seq in decoding:
             if ks[seq.seq_id] > 0:
-                stream: _Stream = seq.extra  # type: ignore[assignment]
+                stream: Stream = seq.extra  # type: ignore[assignment]
                 requests.append(DraftRequest(seq, ks[seq.seq_id], stream.request.sampling, stream.generator, stream.constraint))
         if not requests:
             return
@@ -425,7 +395,7 @@ class PagedBackend:
                 req.seq.add_draft(proposal.tokens)
                 req.seq.extra.proposal = proposal  # type: ignore[union-attr]
 
-    def _emit(self, stream: _Stream, token: int, logprob: TokenLogprob | None = None) -> bool:
+    def _emit(self, stream: Stream, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Stream one sampled token's text; True if the sample ends here (EOG or stop string)."""
         if self.tokenizer.is_eog(token) and not stream.request.sampling.ignore_eos:
             return True
@@ -438,7 +408,7 @@ class PagedBackend:
         stream.events.put(TokenEvent(piece, (token,), stream.index, (logprob,) if logprob is not None else ()))
         return stream.text.stopped
 
-    def _start_sibling(self, parent: Sequence, stream: _Stream, token: int, logprob: TokenLogprob | None) -> None:
+    def _start_sibling(self, parent: Sequence, stream: Stream, token: int, logprob: TokenLogprob | None) -> None:
         """Sample `stream.index` of a request continues from the parent's prompt with its own
         first token, sharing the parent's KV blocks when the parent still holds them."""
         child = parent.fork(next(self._ids))
@@ -464,7 +434,7 @@ class PagedBackend:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Close the stream of a sequence the scheduler has already let go of."""
-        stream: _Stream = seq.extra  # type: ignore[assignment]
+        stream: Stream = seq.extra  # type: ignore[assignment]
         self._live.pop(seq.seq_id, None)
         spec: dict[str, object] = {}
         if self.drafter is not None:

@@ -36,7 +36,8 @@ from ..model.sparsity import projection_modules
 from ..plan import Plan
 from ..tokenizer import Tokenizer
 from ..types import Request
-from .paged import PagedBackend, _Stream
+from .paged import PagedBackend
+from .paged_stream import Stream
 
 
 class SparseBackend(PagedBackend):
@@ -126,12 +127,12 @@ class SparseBackend(PagedBackend):
         return held / total if total else 0.0
 
     # ---- stats ---------------------------------------------------------------------------
-    def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> _Stream:
+    def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> Stream:
         stream = super()._new_stream(request, cancel, events, index)
         stream.start_mark = self.counts()
         return stream
 
-    def _extra_stats(self, stream: _Stream) -> dict[str, object]:
+    def _extra_stats(self, stream: Stream) -> dict[str, object]:
         # Counted over every step while the request ran: exact for one request at a time,
         # the batch's mix when several run together.
         s0, t0 = stream.start_mark  # type: ignore[misc]

@@ -1,0 +1,45 @@
+"""The paged backend's state of one request's sample (`Stream`, hung on `Sequence.extra`) and
+what a failed step pushes to every open request (`EngineFailure`)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ..detokenize import TextStream
+from ..drafter import Proposal
+from ..grammar import Constraint
+from ..stats import StatsRecorder
+from ..types import Request, TokenLogprob
+
+
+@dataclass
+class Stream:
+    """Per-request state, hung on `Sequence.extra`."""
+
+    request: Request
+    cancel: threading.Event
+    recorder: StatsRecorder
+    text: TextStream
+    generator: torch.Generator | None
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # shared by a request's samples
+    index: int = 0  # which of the request's n samples
+    siblings: list[Stream] = field(default_factory=list)  # samples 1..n-1, forked at the first token
+    kv_blocks_used: int = 0  # pool blocks in use at this sequence's last step
+    proposal: Proposal | None = None  # the drafts appended to the sequence for this step
+    drafted: int = 0  # draft tokens verified, and how many of them the target kept
+    accepted: int = 0
+    target_steps: int = 0  # steps that produced tokens for this sample
+    start_mark: object = None  # a subclass's counters when the request started (`_extra_stats`)
+    constraint: Constraint | None = None  # the request's grammar: where this sample stands in it
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens' so far, when asked for
+
+
+class EngineFailure:
+    """Pushed to every open stream when a step raises: the consumer re-raises it."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
