@@ -94,7 +94,9 @@ def test_gemv_matches_reference(isa: str, qtype: int, interleaved: bool) -> None
 def test_vnni_kernels_give_the_avx2_kernels_floats(isa: str, qtype: int, interleaved: bool) -> None:
     """Where the CPU has VNNI, its kernels (vpdpbusd, the sub-block scales applied to int32
     sums) compute bit for bit what the AVX2 kernel computes (int16 sums, scales in the
-    widening): the same integers, then the same float operations per row."""
+    widening): the same integers, then the same float operations per row. (The AVX-512
+    variants' decode steps on the column layout compute the interleaved kernels' floats
+    instead: the next test.)"""
     vnni = runtime.qmat_kernel()
     if "vnni" not in vnni:
         pytest.skip(f"the {isa} path runs no VNNI kernel on this CPU ({vnni})")
@@ -104,7 +106,10 @@ def test_vnni_kernels_give_the_avx2_kernels_floats(isa: str, qtype: int, interle
     c = ql.decode(gguf_blocks(qtype, n, k, seed=5), qtype)
     p = ql.pack(c, interleaved)
     m = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, interleaved)
-    for batch in (1, 3, 8, 13, 40, 64):  # prefill: 40 = two AMX blocks of 16 rows (where present) and 8 more
+    batches = (1, 3, 8, 13, 40, 64)  # prefill: 40 = two AMX blocks of 16 rows (where present) and 8 more
+    if not interleaved and vnni.startswith("avx512"):
+        batches = (13, 40, 64)
+    for batch in batches:
         for threshold in (None, 0.6):
             x = (4 * rng.standard_normal((batch, k))).astype(np.float32)  # large |qx|: no int16 slack
             ys = []
@@ -118,6 +123,48 @@ def test_vnni_kernels_give_the_avx2_kernels_floats(isa: str, qtype: int, interle
                 ys.append(y)
             assert runtime.qmat_kernel() == vnni
             np.testing.assert_array_equal(ys[0], ys[1], err_msg=f"{vnni} vs avx2, batch {batch}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_column_decode_gives_the_interleaved_kernels_floats(qtype: int) -> None:
+    """On AVX-512 with VNNI a decode step on the column layout (sparse files: zeroed inputs'
+    columns are not read) applies the factors as the interleaved kernels do, so a call over
+    all of K (threads split by rows) gives bit for bit their floats for the same thresholded
+    x, and the same columns kept; split by groups of columns, the threads' partial sums are
+    added, which rounds differently (close)."""
+    if not runtime.qmat_kernel().startswith("avx512vnni"):
+        pytest.skip(f"no 512-bit column kernel on this CPU ({runtime.qmat_kernel()})")
+    f = ql.FORMATS[qtype]
+    rng = np.random.default_rng(qtype + 3)
+    c = ql.decode(gguf_blocks(qtype, 100, 2048, seed=11), qtype)  # 100 rows: a padded chunk
+    n, k = c.codes.shape
+    ms = {}
+    for il in (False, True):
+        p = ql.pack(c, il)
+        ms[il] = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, il)
+    K = kernels()
+    try:
+        for split in (0, 1):
+            K.set_split_mode(split)
+            for batch in (1, 2, 3, 5, 8):
+                for threshold in (None, 0.3, 1.2):
+                    x = (2 * rng.standard_normal((batch, k))).astype(np.float32)
+                    x[0, : 2 * f.group] = 0.0  # whole groups of zeros: nothing kept there
+                    ys = {}
+                    for il in (False, True):
+                        ys[il] = np.full((batch, n), np.nan, dtype=np.float32)
+                        kept = ms[il].gemv(x, ys[il], batch, k, n, 0.0 if threshold is None else threshold,
+                                           threshold is None, None)
+                        if not il and threshold is not None:
+                            assert kept == int((np.abs(x) > threshold).any(axis=0).sum())
+                    msg = f"split {split}, batch {batch}, threshold {threshold}"
+                    if split == 0:
+                        np.testing.assert_array_equal(ys[False], ys[True], err_msg=msg)
+                    else:
+                        scale = np.abs(ys[True]).max()
+                        np.testing.assert_allclose(ys[False], ys[True], rtol=0, atol=1e-6 * scale, err_msg=msg)
+    finally:
+        K.set_split_mode(2)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES)

@@ -146,11 +146,13 @@ static void plan_job(job_t *j, int parts) {
         j->n_pieces = parts;
         const int32_t *goff = j->goff;
         const long kept = goff[G];
+        /* pieces of whole super-blocks (their factors are applied once per super-block) */
+        const int per_sb = j->qm && j->qm->dgroup > j->qm->group ? j->qm->dgroup / j->qm->group : 1;
         int g = 0;
-        for (int c = 0; c <= parts; c++) { /* first group with at least kept * c / parts before it */
+        for (int c = 0; c <= parts; c++) { /* first super-block with at least kept * c / parts before it */
             const long want = kept * c / parts;
-            while (g < G && goff[g] < want) g++;
-            j->gbound[c] = c == parts ? G : g;
+            while (g < G && goff[g] < want) g += per_sb;
+            j->gbound[c] = c == parts || g > G ? G : g;
         }
     } else {
         j->n_pieces = parts == 1 ? 1 : (g_pieces_per_thread * parts < units ? g_pieces_per_thread * parts : units);
@@ -647,6 +649,7 @@ static PyObject *py_set_isa(PyObject *mod, PyObject *arg) {
     g_dequant = si4_dequant_for(isa);
     g_prepare = si4_prepare_for(isa);
     g_qkernel = qm_kernel_for(isa, g_qvnni, g_qamx);
+    g_sparse_prepare = qm_sparse_prepare_for(g_qkernel);
     g_qdequant = qm_dequant_for(isa);
     g_dense_prepare = qm_dense_prepare_for(isa);
     pthread_mutex_unlock(&si4_call_lock);
@@ -661,6 +664,7 @@ static PyObject *set_qmat_switch(PyObject *arg, int *flag) {
     pthread_mutex_lock(&si4_call_lock);
     *flag = on;
     g_qkernel = qm_kernel_for(g_isa, g_qvnni, g_qamx);
+    g_sparse_prepare = qm_sparse_prepare_for(g_qkernel);
     pthread_mutex_unlock(&si4_call_lock);
     Py_RETURN_NONE;
 }
@@ -915,6 +919,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     g_dequant = si4_dequant_for(g_isa);
     g_prepare = si4_prepare_for(g_isa);
     g_qkernel = qm_kernel_for(g_isa, g_qvnni, g_qamx);
+    g_sparse_prepare = qm_sparse_prepare_for(g_qkernel);
     g_qdequant = qm_dequant_for(g_isa);
     g_dense_prepare = qm_dense_prepare_for(g_isa);
     if (PyType_Ready(&si4_matrix_type) < 0 || PyType_Ready(&si4_qmatrix_type) < 0 || PyType_Ready(&si4_stack_type) < 0 || PyType_Ready(&si8_matrix_type) < 0)

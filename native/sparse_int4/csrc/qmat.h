@@ -111,6 +111,25 @@ void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, in
 qm_dense_prepare_fn qm_dense_prepare_for(int isa);
 extern qm_dense_prepare_fn g_dense_prepare; /* the current ISA's, set with it */
 
+/* qm_prepare's thresholded case for the column layout (all_columns 0, batch <= SI4_MAX_BATCH)
+ * in a kernel's vector registers: the same outputs. g_sparse_prepare is the current kernel's
+ * (qm_sparse_prepare_for), or NULL: the loop in qm_prepare. */
+typedef int (*qm_sparse_prepare_fn)(const float *x, size_t x_stride, int batch, int k, int group, float threshold,
+                                    int32_t *cols, int32_t *goff, int8_t *qx, size_t qx_stride, float *dx,
+                                    size_t dx_stride, float *xs, int32_t *row_counts, int *n_slots);
+#ifdef LLMLOCAL_X86_VARIANTS
+int qm_sparse_prepare_avx512vnni(const float *x, size_t x_stride, int batch, int k, int group, float threshold,
+                                 int32_t *cols, int32_t *goff, int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride,
+                                 float *xs, int32_t *row_counts, int *n_slots);
+#ifdef LLMLOCAL_AMX
+int qm_sparse_prepare_amx(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int32_t *cols,
+                          int32_t *goff, int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride, float *xs,
+                          int32_t *row_counts, int *n_slots);
+#endif
+#endif
+qm_sparse_prepare_fn qm_sparse_prepare_for(qm_kernel_fn kernel);
+extern qm_sparse_prepare_fn g_sparse_prepare;
+
 /* Codes (n, k) uint8, row-major, into the interleaved layout (qlayout.pack); out holds
  * k / 4 * ceil(n / 32) * 16 * bits bytes. */
 void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group, uint8_t *out);

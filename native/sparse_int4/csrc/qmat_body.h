@@ -337,13 +337,15 @@ AI const uint8_t *group_tile(const uint8_t *chunk, unsigned g, size_t tile_bytes
 }
 #define NB_MAX 4 /* rows of x per pass over a half */
 
-/* A chunk's factors from row n on (interleaved: each array chunk by chunk, qm_fat): factor f
- * of rows n .. n + 7 at [32 f] (d and m per super-block for the K-quants and Q6_K, per group of
- * 32 for the others; sc per group; mn per super-block). */
+/* A chunk's factors from row n on: factor f of rows n .. n + 7 at [fs f] (d and m per
+ * super-block for the K-quants and Q6_K, per group of 32 for the others; sc per group; mn per
+ * super-block). The interleaved layout keeps each array chunk by chunk (qm_fat: fs = 32), the
+ * column layout factor by factor (fs = npad). */
 typedef struct {
     const uint16_t *d, *m;
     const uint8_t *sc;
     const uint32_t *mn;
+    size_t fs;
 } chunk_fac;
 
 AI chunk_fac chunk_factors(const qm_matrix *m, int n) {
@@ -353,6 +355,7 @@ AI chunk_fac chunk_factors(const qm_matrix *m, int n) {
         .m = m->m ? m->m + qm_fat(m, 0, nd, n) : NULL,
         .sc = m->sc ? m->sc + qm_fat(m, 0, ng, n) : NULL,
         .mn = m->mn ? m->mn + qm_fat(m, 0, nd, n) : NULL,
+        .fs = m->interleaved ? 32 : (size_t)m->npad,
     };
     return f;
 }
@@ -368,13 +371,13 @@ typedef struct {
 AI void group_factors(const qm_matrix *m, const chunk_fac *cf, unsigned g, int t, const int KIND, fac8 *f) {
     if (KIND == KIND_PLAIN) {
         f->wt = _mm256_set1_epi16(1);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->d + 32 * g + 8 * t)));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->d + cf->fs * g + 8 * t)));
         f->D = d; /* the same numbers as factors8 */
-        f->M = cf->m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->m + 32 * g + 8 * t)))
+        f->M = cf->m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->m + cf->fs * g + 8 * t)))
                      : _mm256_mul_ps(_mm256_set1_ps((float)-m->off), d);
         return;
     }
-    const uint8_t *sc = cf->sc + 32 * g + 8 * t;
+    const uint8_t *sc = cf->sc + cf->fs * g + 8 * t;
     const __m256i b8 = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)sc));
     if (KIND == KIND_KQ) {
         const __m256i b32 = _mm256_cvtepu8_epi32(_mm256_castsi256_si128(b8)); /* byte r in element r */
@@ -386,7 +389,7 @@ AI void group_factors(const qm_matrix *m, const chunk_fac *cf, unsigned g, int t
         f->wt = _mm256_and_si256(_mm256_shuffle_epi8(b8, at), _mm256_set1_epi16(63));
 #endif
         /* the min: the byte's top 2 bits above the low nibble of its word */
-        const __m256i lo = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(cf->mn + 32 * (g / 8) + 8 * t)),
+        const __m256i lo = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(cf->mn + cf->fs * (g / 8) + 8 * t)),
                                             _mm_cvtsi32_si128((int)(4 * (g % 8))));
         const __m256i top = _mm256_srli_epi32(_mm256_and_si256(b32, _mm256_set1_epi32(0xc0)), 2);
         f->mnf = _mm256_cvtepi32_ps(_mm256_or_si256(top, _mm256_and_si256(lo, _mm256_set1_epi32(15))));
@@ -507,6 +510,33 @@ AI fac16 join_factors(const fac8 f[2], const int KIND) {
     return F;
 }
 
+/* group_factors on 16 rows of W at once (fac8's two halves): the same integers converted, so
+ * the same floats as join_factors of two group_factors, in fewer instructions. */
+AI fac16 group_factors16(const qm_matrix *m, const chunk_fac *cf, unsigned g, const int KIND) {
+    fac16 F;
+    F.wt = _mm512_setzero_si512();
+    F.D = F.M = F.mnf = F.wf = _mm512_setzero_ps();
+    if (KIND == KIND_PLAIN) {
+        F.D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf->d + cf->fs * g)));
+        F.M = cf->m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf->m + cf->fs * g)))
+                    : _mm512_mul_ps(_mm512_set1_ps((float)-m->off), F.D);
+        return F;
+    }
+    const __m128i b = _mm_loadu_si128((const __m128i *)(cf->sc + cf->fs * g));
+    if (KIND == KIND_KQ) {
+        const __m512i b32 = _mm512_cvtepu8_epi32(b);
+        F.wf = _mm512_cvtepi32_ps(_mm512_and_si512(b32, _mm512_set1_epi32(63)));
+        const __m512i lo = _mm512_srl_epi32(_mm512_loadu_si512((const void *)(cf->mn + cf->fs * (g / 8))),
+                                            _mm_cvtsi32_si128((int)(4 * (g % 8))));
+        const __m512i top = _mm512_srli_epi32(_mm512_and_si512(b32, _mm512_set1_epi32(0xc0)), 2);
+        F.mnf = _mm512_cvtepi32_ps(_mm512_or_si512(top, _mm512_and_si512(lo, _mm512_set1_epi32(15))));
+        return F;
+    }
+    F.wt = _mm512_cvtepi8_epi32(b); /* Q6_K: the signed scale */
+    F.mnf = _mm512_cvtepi32_ps(F.wt);
+    return F;
+}
+
 /* group_update (with the VNNI variant's scaling) on 16 rows of W at once: the same operations
  * per element, so the same floats. */
 AI void group_update16(acc16 *s, const fac16 *f, __m512i acc, float dx, float xs, const int KIND, int first) {
@@ -534,8 +564,8 @@ AI void superblock_update16(acc16 *s, __m512 d, __m512 dmin, const int KIND) {
 /* superblock_update16 of super-block sb (its d and dmin from the chunk's factors) on rows s[0 .. n). */
 AI void superblocks_update16(acc16 *s, unsigned n, const chunk_fac *cf, unsigned sb, const int KIND) {
     if (!n) return;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf->d + 32 * sb)));
-    const __m512 dmin = KIND == KIND_KQ ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf->m + 32 * sb)))
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf->d + cf->fs * sb)));
+    const __m512 dmin = KIND == KIND_KQ ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cf->m + cf->fs * sb)))
                                         : _mm512_setzero_ps();
     for (unsigned r = 0; r < n; r++) superblock_update16(&s[r], d, dmin, KIND);
 }
@@ -591,9 +621,7 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
                     acc[b] = mac_quad16(acc[b], W, _mm512_set1_epi32(q4), BITS);
                 }
             }
-            fac8 f[2];
-            for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
-            const fac16 F = join_factors(f, KIND);
+            const fac16 F = group_factors16(m, &cf, g, KIND);
             for (int b = 0; b < BB; b++)
                 group_update16(&s[b], &F, acc[b], a->dx[(size_t)(b0 + b) * a->dx_stride + qb], a->xs[(size_t)g * B + b0 + b],
                                KIND, j % 2 == 0);
@@ -601,6 +629,195 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
         if (KIND != KIND_PLAIN) superblocks_update16(s, (unsigned)BB, &cf, sb, KIND);
     }
     for (int b = 0; b < BB; b++) _mm512_storeu_ps(ybuf + (size_t)(b0 + b) * m->npad + n, s[b].y);
+}
+
+/* The column layout's decode step on 512-bit registers (sparse files). The factors are applied
+ * as half_pass16 applies them: a group's int32 sums weighted per row, d and dmin once per
+ * super-block, so that a row's floats are the interleaved kernel's for the same thresholded x
+ * (zeroed inputs add exact zeros there) when one call covers all of K. Groups are the outer
+ * loop, as in `kernel`: a group's kept columns are a dozen runs read side by side, which the
+ * prefetchers follow, and each row's running super-block sums (fs, fm and Q6_K's first-group
+ * int32 sums) wait in `col_sums` between groups. */
+typedef struct {
+    float *fs, *fm;
+    int32_t *blk;
+    size_t rows; /* per row of x */
+} col_sums;
+
+/* Group g (j-th of its super-block) over the chunk at `row` (offset `at` into the sums), rows
+ * [b0, b0 + BB) of x. Each quad's four columns are prefetched `pf` bytes ahead in their runs,
+ * or, past `end` (the call's last row's bytes), the next group's slot at the wrapped offset. */
+AI void col_group16(const qm_matrix *m, const qm_acts *a, unsigned g, unsigned j, int row, size_t at, int b0,
+                    const int BB, float *ybuf, const col_sums *cs, const int BITS, const int KIND, int pf, size_t end,
+                    size_t start) {
+    const unsigned GROUP = BITS == 6 ? 16 : 32, B = (unsigned)a->batch, qb = g * GROUP / QM_QBLOCK;
+    const size_t qs = a->qx_stride, stride = m->colstride, choff = (size_t)(row / 32) * (size_t)(4 * BITS);
+    const int s0 = a->goff[g], s1 = a->goff[g + 1];
+    const size_t ahead = choff + (size_t)pf;
+    const int wrap = pf && ahead >= end, next0 = (int)g + 1 < a->n_groups ? a->goff[g + 1] : s1;
+    const int next_n = (int)g + 1 < a->n_groups ? a->goff[g + 2] - next0 : 0;
+    __m512i acc[NB_MAX][2];
+    for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm512_setzero_si512();
+    for (int i = s0; i < s1; i += 4) {
+        const uint8_t *p[4];
+        for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)a->cols[i + t] * stride + choff;
+        if (pf && !wrap)
+            for (int t = 0; t < 4; t++) __builtin_prefetch(p[t] + pf, 0, 3);
+        else if (wrap)
+            for (int t = 0; t < 4 && i - s0 + t < next_n; t++)
+                __builtin_prefetch(m->codes + (size_t)a->cols[next0 + i - s0 + t] * stride + start + (ahead - end), 0, 3);
+        __m256i W[4];
+        load_quad(p, BITS, W);
+        const __m512i lo = join_si(W[0], W[1]), hi = join_si(W[2], W[3]);
+        for (int b = 0; b < BB; b++) {
+            int32_t q4;
+            memcpy(&q4, a->qx + (size_t)(b0 + b) * qs + i, 4);
+            const __m512i xq = _mm512_set1_epi32(q4);
+            acc[b][0] = mac_quad16(acc[b][0], lo, xq, BITS);
+            acc[b][1] = mac_quad16(acc[b][1], hi, xq, BITS);
+        }
+    }
+    for (int t = 0; t < 2; t++) {
+        const chunk_fac cf = chunk_factors(m, row + 16 * t);
+        const fac16 F = group_factors16(m, &cf, g, KIND);
+        for (int b = 0; b < BB; b++) {
+            const size_t o = (size_t)(b0 + b) * cs->rows + at + 16 * (size_t)t;
+            float *y = ybuf + (size_t)(b0 + b) * m->npad + row + 16 * t;
+            acc16 s;
+            if (KIND == KIND_PLAIN) {
+                s.y = _mm512_loadu_ps(y);
+            } else {
+                s.fs = j == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(cs->fs + o);
+                s.fm = j == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(cs->fm + o);
+                s.blk = KIND == KIND_Q6 && j % 2 ? _mm512_loadu_si512(cs->blk + o) : _mm512_setzero_si512();
+            }
+            group_update16(&s, &F, acc[b][t], a->dx[(size_t)(b0 + b) * a->dx_stride + qb], a->xs[(size_t)g * B + b0 + b],
+                           KIND, j % 2 == 0);
+            if (KIND == KIND_PLAIN) {
+                _mm512_storeu_ps(y, s.y);
+                continue;
+            }
+            _mm512_storeu_ps(cs->fs + o, s.fs);
+            _mm512_storeu_ps(cs->fm + o, s.fm);
+            if (KIND == KIND_Q6 && j % 2 == 0) _mm512_storeu_si512(cs->blk + o, s.blk);
+        }
+    }
+}
+
+/* After a super-block's last group: its d and dmin into y, rows of the chunk at `row`. */
+AI void col_superblock16(const qm_matrix *m, unsigned sb, int row, size_t at, int B, float *ybuf, const col_sums *cs,
+                         const int KIND) {
+    for (int t = 0; t < 2; t++) {
+        const chunk_fac cf = chunk_factors(m, row + 16 * t);
+        acc16 s[SI4_MAX_BATCH];
+        for (int b = 0; b < B; b++) {
+            const size_t o = (size_t)b * cs->rows + at + 16 * (size_t)t;
+            s[b].y = _mm512_loadu_ps(ybuf + (size_t)b * m->npad + row + 16 * t);
+            s[b].fs = _mm512_loadu_ps(cs->fs + o);
+            s[b].fm = _mm512_loadu_ps(cs->fm + o);
+        }
+        superblocks_update16(s, (unsigned)B, &cf, sb, KIND);
+        for (int b = 0; b < B; b++) _mm512_storeu_ps(ybuf + (size_t)b * m->npad + row + 16 * t, s[b].y);
+    }
+}
+
+/* A decode step (up to SI4_MAX_BATCH rows of x) on the column layout: rows [row0, row1) over
+ * the groups [g0, g1) (whole super-blocks: module.c splits on them). */
+AI void kernel_col16(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf,
+                     const int BITS, const int KIND) {
+    static _Thread_local float *buf; /* the running sums, grown as needed */
+    static _Thread_local size_t buf_n;
+    const int B = a->batch, cb = 4 * BITS, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / (BITS == 6 ? 16 : 32);
+    const size_t R = (size_t)(row1 - row0), need = 3 * R * (size_t)B;
+    if (KIND != KIND_PLAIN && buf_n < need) {
+        free(buf);
+        buf_n = 0;
+        if (!(buf = aligned_alloc(64, need * sizeof(float)))) return;
+        buf_n = need;
+    }
+    const col_sums cs = {buf, buf + R * (size_t)B, (int32_t *)(buf + 2 * R * (size_t)B), R};
+    const int pf0 = si4_prefetch_ahead * BITS / 4;
+    const size_t start = (size_t)(row0 / 32) * (size_t)cb, end = (size_t)(row1 / 32) * (size_t)cb;
+    for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * R);
+    for (int g = g0; g < g1; g++) {
+        const unsigned j = (unsigned)(g % PER_SB);
+        for (int row = row0; row < row1; row += 32) {
+            const size_t at = (size_t)(row - row0);
+            const int pf = (int)(((size_t)(row / 32) * cb) % 64) < cb ? pf0 : 0; /* once per line of a run */
+            for (int b0 = 0; b0 < B; b0 += NB_MAX)
+                switch (B - b0 < NB_MAX ? B - b0 : NB_MAX) {
+                case 1: col_group16(m, a, (unsigned)g, j, row, at, b0, 1, ybuf, &cs, BITS, KIND, b0 ? 0 : pf, end, start); break;
+                case 2: col_group16(m, a, (unsigned)g, j, row, at, b0, 2, ybuf, &cs, BITS, KIND, b0 ? 0 : pf, end, start); break;
+                case 3: col_group16(m, a, (unsigned)g, j, row, at, b0, 3, ybuf, &cs, BITS, KIND, b0 ? 0 : pf, end, start); break;
+                default: col_group16(m, a, (unsigned)g, j, row, at, b0, 4, ybuf, &cs, BITS, KIND, b0 ? 0 : pf, end, start); break;
+                }
+        }
+        if (KIND != KIND_PLAIN && j == (unsigned)PER_SB - 1)
+            for (int row = row0; row < row1; row += 32) col_superblock16(m, (unsigned)(g / PER_SB), row, (size_t)(row - row0), B, ybuf, &cs, KIND);
+    }
+}
+#endif
+
+#if QM_ZMM
+/* qm_prepare's thresholded case for the column layout (the columns some row keeps listed, each
+ * group's slots padded to a multiple of 4) on 512-bit registers: the same cols, goff, qx, dx,
+ * xs and counts as the scalar loop (the same products rounded the same way), for a decode step
+ * whose K is large (8,960 inputs of an MLP's down projection took a fifth of its call there). */
+int QM_NAME(qm_sparse_prepare)(const float *x, size_t x_stride, int batch, int k, int group, float threshold,
+                               int32_t *cols, int32_t *goff, int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride,
+                               float *xs, int32_t *row_counts, int *n_slots) {
+    const int nq = k / QM_QBLOCK, n_groups = k / group, pieces = group / 16;
+    const __m512 t = _mm512_set1_ps(threshold);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int b = 0; b < batch; b++) { /* each block's scale over the values its row keeps */
+        const float *xb = x + (size_t)b * x_stride;
+        int32_t cnt = 0;
+        for (int q = 0; q < nq; q++) {
+            const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb + 32 * q)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 32 * q + 16));
+            const __mmask16 k0 = _mm512_cmp_ps_mask(a0, t, _CMP_GT_OQ), k1 = _mm512_cmp_ps_mask(a1, t, _CMP_GT_OQ);
+            cnt += __builtin_popcount(k0) + __builtin_popcount(k1);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_maskz_mov_ps(k0, a0), _mm512_maskz_mov_ps(k1, a1)));
+            dx[(size_t)b * dx_stride + q] = amax / 127.0f;
+        }
+        if (row_counts) row_counts[b] = cnt;
+    }
+    int n = 0, kept = 0;
+    for (int g = 0; g < n_groups; g++) {
+        goff[g] = n;
+        for (int h = 0; h < pieces; h++) { /* 16 inputs at a time */
+            const int j0 = g * group + 16 * h;
+            __mmask16 keep[SI4_MAX_BATCH], any = 0;
+            __m512 v[SI4_MAX_BATCH];
+            for (int b = 0; b < batch; b++) {
+                v[b] = _mm512_loadu_ps(x + (size_t)b * x_stride + j0);
+                keep[b] = _mm512_cmp_ps_mask(_mm512_abs_ps(v[b]), t, _CMP_GT_OQ);
+                any |= keep[b];
+            }
+            const int c = __builtin_popcount(any);
+            _mm512_mask_compressstoreu_epi32(cols + n, any, _mm512_add_epi32(iota, _mm512_set1_epi32(j0)));
+            for (int b = 0; b < batch; b++) {
+                const float d = dx[(size_t)b * dx_stride + j0 / QM_QBLOCK], id = d > 0.0f ? 1.0f / d : 0.0f;
+                const __m512i qv = _mm512_maskz_cvtps_epi32(keep[b], _mm512_mul_ps(v[b], _mm512_set1_ps(id)));
+                _mm_mask_storeu_epi8(qx + (size_t)b * qx_stride + n, (__mmask16)((1u << c) - 1),
+                                     _mm512_cvtepi32_epi8(_mm512_maskz_compress_epi32(any, qv)));
+                const int32_t part = _mm512_reduce_add_epi32(qv);
+                /* xs: the group's sum, made in int32 and scaled once (below) */
+                if (h == 0) xs[(size_t)g * batch + b] = (float)part;
+                else xs[(size_t)g * batch + b] = (float)((int32_t)xs[(size_t)g * batch + b] + part);
+            }
+            n += c;
+        }
+        for (int b = 0; b < batch; b++)
+            xs[(size_t)g * batch + b] *= dx[(size_t)b * dx_stride + g * group / QM_QBLOCK];
+        kept += n - goff[g];
+        for (; (n - goff[g]) % 4; n++) { /* pad slots: a kept column of the group, times 0 */
+            cols[n] = cols[n - 1];
+            for (int b = 0; b < batch; b++) qx[(size_t)b * qx_stride + n] = 0;
+        }
+    }
+    goff[n_groups] = n;
+    *n_slots = n;
+    return kept;
 }
 #endif
 
@@ -754,8 +971,8 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
 #endif
         if (KIND != KIND_PLAIN)
             for (int t = 0; t < 2; t++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.d + 32 * sb + 8 * t)));
-                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.m + 32 * sb + 8 * t)))
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.d + cf.fs * sb + 8 * t)));
+                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.m + cf.fs * sb + 8 * t)))
                                                     : _mm256_setzero_ps();
                 for (unsigned b = R; b < NR; b++) superblock_update(&s[b][t], d, dmin, KIND);
             }
@@ -830,6 +1047,12 @@ AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0,
         wide(m, a, row0, row1, g0, g1, ybuf, BITS);
         return;
     }
+#if QM_ZMM
+    if ((BITS == 4 || BITS == 5) && m->mn) kernel_col16(m, a, row0, row1, g0, g1, ybuf, BITS, KIND_KQ);
+    else if (BITS == 6) kernel_col16(m, a, row0, row1, g0, g1, ybuf, BITS, KIND_Q6);
+    else kernel_col16(m, a, row0, row1, g0, g1, ybuf, BITS, KIND_PLAIN);
+    return;
+#endif
     for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * (size_t)(row1 - row0));
     for (int g = g0; g < g1; g++) {
         if (a->goff[g] == a->goff[g + 1]) continue; /* nothing kept: nothing read */

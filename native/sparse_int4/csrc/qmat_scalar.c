@@ -62,6 +62,7 @@ void qm_kernel_scalar(const qm_matrix *m, const qm_acts *a, int row0, int row1, 
 /* ---------------------------------------------------------------- activations */
 
 qm_dense_prepare_fn g_dense_prepare; /* set with the ISA (module.c); NULL: the loop below */
+qm_sparse_prepare_fn g_sparse_prepare; /* set with the kernel (module.c); NULL: the loop below */
 
 /* The dense case of qm_prepare for one ISA-independent definition: per row and block of 32,
  * dx = max |x| / 127, qx = lrint(x * (1 / dx)), xs = dx * sum of the group's qx. */
@@ -99,6 +100,9 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
         *n_slots = k;
         return k;
     }
+    if (!dense && !all_columns && g_sparse_prepare && batch <= SI4_MAX_BATCH)
+        return g_sparse_prepare(x, x_stride, batch, k, group, threshold, cols, goff, qx, qx_stride, dx, dx_stride, xs,
+                                row_counts, n_slots);
     /* per row: the scale of each block of 32 inputs over the values it keeps */
     for (int b = 0; b < batch; b++) {
         const float *xb = x + (size_t)b * x_stride;
@@ -494,4 +498,15 @@ int qm_pack_rows(int type, const uint8_t *const *rows, int n, int k, int bits, i
     }
     free(buf);
     return 0;
+}
+
+qm_sparse_prepare_fn qm_sparse_prepare_for(qm_kernel_fn kernel) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (kernel == qm_kernel_avx512vnni) return qm_sparse_prepare_avx512vnni;
+#ifdef LLMLOCAL_AMX
+    if (kernel == qm_kernel_amx) return qm_sparse_prepare_amx;
+#endif
+#endif
+    (void)kernel;
+    return NULL;
 }
