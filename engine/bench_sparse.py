@@ -5,6 +5,7 @@ One run, batch 1, greedy, the same prompt for every engine:
 
     sparse_tok_s         backend `sparse` at the requested (or calibrated) level
     dense_kernel_tok_s   backend `sparse` at level 0: every column, through the same kernels
+    paged_tok_s          backend `paged` (dense, our interleaved kernels), same file
     llamacpp_tok_s       backend `llamacpp` (dense), same file, same thread count
     kernel_bandwidth_gb_s  weight bytes the kernels read / seconds spent inside them, at the
                            requested level
@@ -69,6 +70,8 @@ def bench_sparse(
     plan = Plan(model=path, n_ctx=1024, threads=threads)
     with Engine.load(plan.replace(backend="llamacpp")) as engine:
         llamacpp = _decode(engine, max_tokens, runs)
+    with Engine.load(plan.replace(backend="paged", device="cpu")) as engine:
+        paged = _decode(engine, max_tokens, runs)
     with Engine.load(plan.replace(backend="sparse", sparsity=sparsity)) as engine:
         backend = engine.backend
         assert isinstance(backend, SparseBackend)
@@ -98,8 +101,10 @@ def bench_sparse(
         "achieved_sparsity": sparse.achieved_sparsity,
         "sparse_tok_s": sparse.decode_tok_s,
         "dense_kernel_tok_s": dense.decode_tok_s,
+        "paged_tok_s": paged.decode_tok_s,
         "llamacpp_tok_s": llamacpp_tok_s,
         "speedup_vs_llamacpp": (sparse.decode_tok_s or 0.0) / llamacpp_tok_s if llamacpp_tok_s else None,
+        "speedup_vs_paged": (sparse.decode_tok_s or 0.0) / paged.decode_tok_s if paged.decode_tok_s else None,
         "dense_ratio_vs_llamacpp": (dense.decode_tok_s or 0.0) / llamacpp_tok_s if llamacpp_tok_s else None,
         "kernel_bandwidth_gb_s": read / seconds / 1e9 if seconds else None,
         "machine_bandwidth_gb_s": bandwidth,

@@ -14,7 +14,10 @@ from .gguf_header import ArrayInfo, TensorInfo, read_gguf_header
 # Activation-sparsity calibration written by `llmlocal quantize --sparsity` (llama.cpp ignores
 # these keys). Each projection input of a layer has a threshold t; inputs with |x| <= t are
 # zeroed (see llmlocal.engine.model.sparsity):
-#   llmlocal.sparsity.level                 f32   fraction of inputs the thresholds zero
+#   llmlocal.sparsity.level                 f32   fraction of inputs the thresholds zero (with
+#                                                 projection_levels: the largest of them)
+#   llmlocal.sparsity.projection_levels     f32[4] a profile: each projection input's own level,
+#                                                 in SPARSITY_PROJECTIONS order (absent: `level`)
 #   llmlocal.sparsity.thresholds.<proj>     f32[n_layers]
 #   llmlocal.sparsity.calibration_tokens    u32   tokens of calibration text
 #   llmlocal.sparsity.calibration_text      str   "built-in" or the file's name
@@ -41,7 +44,11 @@ class SpecialTokens:
 
 @dataclass(frozen=True)
 class SparsitySpec:
-    """A model's calibrated activation-sparsity thresholds (`ModelSpec.sparsity`)."""
+    """A model's calibrated activation-sparsity thresholds (`ModelSpec.sparsity`).
+
+    Uniform (every projection input at `level`), or a profile (`levels`: each projection's
+    own level, e.g. only the MLP's down projection, which loses the least quality per weight
+    skipped; `level` is then the largest)."""
 
     level: float
     thresholds: dict[str, tuple[float, ...]]  # projection -> threshold per layer
@@ -49,16 +56,31 @@ class SparsitySpec:
     calibration_text: str = ""
     grid_levels: tuple[float, ...] = ()  # ascending
     grid: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)  # proj -> [level][layer]
+    levels: dict[str, float] = field(default_factory=dict)  # a profile's levels (every projection), or empty
+
+    def level_of(self, proj: str) -> float:
+        """The calibrated level of projection input ``proj``."""
+        return self.levels[proj] if self.levels else self.level
+
+    def describe(self) -> str:
+        """'30%', or a profile's nonzero levels ('ffn_down 60%, attn_output 30%')."""
+        if not self.levels:
+            return f"{self.level:.0%}"
+        return ", ".join(f"{p} {v:.0%}" for p, v in self.levels.items() if v > 0) or "0%"
 
     def at(self, level: float) -> dict[str, tuple[float, ...]]:
-        """Thresholds for ``level``: the calibrated ones at the calibrated level, zeros (dense)
-        at 0, else interpolated linearly between the two nearest known levels (the grid plus
-        the calibrated level; clamped at the grid's top)."""
+        """Thresholds for ``level``: the calibrated ones at the calibrated level (a profile's
+        own), zeros (dense) at 0, else every projection at ``level``, interpolated linearly
+        between the two nearest known levels (the grid plus a uniform file's calibrated level;
+        clamped at the grid's top)."""
         n_layers = len(self.thresholds[SPARSITY_PROJECTIONS[0]])
+        if self.levels and abs(level - self.level) < 1e-6:
+            return dict(self.thresholds)
         known: dict[float, dict[str, tuple[float, ...]]] = {0.0: {p: (0.0,) * n_layers for p in SPARSITY_PROJECTIONS}}
         for i, x in enumerate(self.grid_levels):
             known[x] = {p: self.grid[p][i] for p in SPARSITY_PROJECTIONS}
-        known[self.level] = dict(self.thresholds)  # exact where it was asked for
+        if not self.levels:
+            known[self.level] = dict(self.thresholds)  # exact where it was asked for
         levels = sorted(known)
         level = min(max(level, 0.0), levels[-1])
         hi = next(x for x in levels if x >= level - 1e-6)
@@ -266,6 +288,12 @@ def _sparsity_from_metadata(md: dict[str, Any], n_layers: int, path: str) -> Spa
         raise bad
     if any(not isinstance(t, list) or len(t) != n_layers for t in thresholds.values()):
         raise bad
+    levels = md.get(SPARSITY_PREFIX + "projection_levels")
+    if levels is not None and (
+        not isinstance(levels, list) or len(levels) != len(SPARSITY_PROJECTIONS)
+        or not all(isinstance(v, float) and 0.0 <= v < 1.0 for v in levels)
+    ):
+        raise bad
     grid_levels = md.get(SPARSITY_PREFIX + "grid.levels")
     grid: dict[str, tuple[tuple[float, ...], ...]] = {}
     if isinstance(grid_levels, list) and grid_levels:
@@ -284,4 +312,5 @@ def _sparsity_from_metadata(md: dict[str, Any], n_layers: int, path: str) -> Spa
         calibration_text=str(md.get(SPARSITY_PREFIX + "calibration_text", "")),
         grid_levels=tuple(float(x) for x in grid_levels),
         grid=grid,
+        levels=dict(zip(SPARSITY_PROJECTIONS, (float(v) for v in levels))) if levels else {},
     )

@@ -26,6 +26,7 @@ import secrets
 import shutil
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -53,7 +54,7 @@ from .llama_quantize import quantize_with_llama_cpp
 from .open_source import open_source
 from .progress import Listener, Progress
 from .source import ModelSource, SourceTensor
-from .sparsity import INT4_STORAGE, SPARSE_FORMATS, check_level, read_calibration_text
+from .sparsity import INT4_STORAGE, SPARSE_FORMATS, SparsityRequest, check_sparsity, describe_request, read_calibration_text
 from .sparsity_quality import SparsityQuality
 
 QUANTIZATION_VERSION = 2  # ggml's block layout version, written by every converter
@@ -73,14 +74,14 @@ class QuantizeJob:
     eval_tokens: int | None = None  # evaluate at most this many tokens of the text
     allow_requantize: bool = False
     threads: int | None = None  # None: all cores
-    sparsity: float | None = None  # calibrate activation thresholds that zero this fraction
+    sparsity: SparsityRequest | None = None  # calibrate thresholds that zero this fraction (or a profile's)
     calib_text: str | None = None  # a text file for the calibration; None: half of the built-in text
 
     def __post_init__(self) -> None:
         if self.type is not None:
             get_format(self.type)
         if self.sparsity is not None:
-            check_level(self.sparsity)
+            check_sparsity(self.sparsity)
             if self.type is not None and self.type.lower() not in SPARSE_FORMATS:
                 raise LLMLocalError(
                     f"--sparsity needs a 4-bit type, not {self.type}: the sparse engine reads INT4 weights, "
@@ -310,7 +311,7 @@ def _calibrate(session: _Session, gguf: Path) -> SparsitySpec:
     assert job.sparsity is not None
     text = session.calib_text if session.calib_text is not None else split_builtin_text()[0]
     name = job.calib_text or BUILTIN_CALIBRATION_TEXT
-    progress = session.progress(f"calibrating {job.sparsity:.0%} activation sparsity", unit="tokens")
+    progress = session.progress(f"calibrating {describe_request(job.sparsity)} activation sparsity", unit="tokens")
     try:
         with torch_model(gguf, job.eval_ctx, job.threads) as model:
             return calibrate(model, text, job.sparsity, ctx=job.eval_ctx, text_name=name, progress=progress)
@@ -338,7 +339,9 @@ def _calibrate_only(session: _Session, source: ModelSource, text: str | None) ->
             f"--type q4_k_m (or q4_0) --allow-requantize to requantize it, or start from the F16/BF16 model."
         )
     if job.out is None or Path(job.out).expanduser().is_dir():
-        name = f"{Path(source.path).stem}-sparse{round(job.sparsity * 100)}.gguf"  # type: ignore[operator]
+        assert session.sparsity is None and job.sparsity is not None
+        label = round(100 * (max(job.sparsity.values()) if isinstance(job.sparsity, Mapping) else job.sparsity))
+        name = f"{Path(source.path).stem}-sparse{label}.gguf"
         out = (Path(job.out).expanduser() if job.out else Path.cwd()) / name
     else:
         out = Path(job.out).expanduser()

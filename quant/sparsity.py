@@ -22,10 +22,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 from gguf import GGUFValueType
@@ -63,6 +63,54 @@ _SEGMENTS = 8  # the built-in text is dealt into this many runs of paragraphs, a
 def check_level(level: float) -> None:
     if not 0.0 < level < 1.0:
         raise LLMLocalError(f"--sparsity must be a fraction between 0 and 1 (such as 0.5), got {level}.")
+
+
+# What `--sparsity` asks for: one level for every projection input, or a profile (a level per
+# projection input, the ones not named dense), such as {"ffn_down": 0.6}.
+SparsityRequest = Union[float, Mapping[str, float]]
+
+
+def parse_sparsity(text: str) -> SparsityRequest:
+    """'0.3' (every projection input), or 'ffn_down=0.6[,attn_output=0.3]' (a profile)."""
+    if "=" not in text:
+        try:
+            return float(text)
+        except ValueError:
+            raise LLMLocalError(
+                f"--sparsity takes a fraction (such as 0.3) or projection levels (such as ffn_down=0.6), not {text!r}."
+            ) from None
+    levels: dict[str, float] = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in SPARSITY_PROJECTIONS:
+            raise LLMLocalError(f"--sparsity: unknown projection {name!r}; choose from {', '.join(SPARSITY_PROJECTIONS)}.")
+        try:
+            levels[name] = float(value)
+        except ValueError:
+            raise LLMLocalError(f"--sparsity: {name} needs a fraction (such as {name}=0.5), not {value!r}.") from None
+    return levels
+
+
+def check_sparsity(request: SparsityRequest) -> None:
+    """A clear error for a level outside (0, 1), or a profile whose levels are all 0."""
+    if not isinstance(request, Mapping):
+        check_level(request)
+        return
+    for name, level in request.items():
+        if name not in SPARSITY_PROJECTIONS:
+            raise LLMLocalError(f"--sparsity: unknown projection {name!r}; choose from {', '.join(SPARSITY_PROJECTIONS)}.")
+        if not 0.0 <= level < 1.0:
+            raise LLMLocalError(f"--sparsity: {name} must be a fraction between 0 and 1, got {level}.")
+    if not any(v > 0 for v in request.values()):
+        raise LLMLocalError("--sparsity: give at least one projection a level above 0 (such as ffn_down=0.6).")
+
+
+def describe_request(request: SparsityRequest) -> str:
+    """'30%' or 'ffn_down 60%' (progress lines and messages)."""
+    if not isinstance(request, Mapping):
+        return f"{request:.0%}"
+    return ", ".join(f"{p} {v:.0%}" for p, v in request.items() if v > 0)
 
 
 # ---- text -----------------------------------------------------------------------------------
@@ -182,19 +230,20 @@ class MagnitudeHistogram:
 def calibrate(
     model: TorchModel,
     text: str,
-    level: float,
+    level: SparsityRequest,
     *,
     ctx: int = 512,
     max_tokens: int | None = None,
     text_name: str = BUILTIN_TEXT,
     progress: Progress | None = None,
 ) -> SparsitySpec:
-    """Thresholds that zero a fraction ``level`` of each projection input on ``text``, and
-    the grid of other levels. Values are float32-rounded, as the GGUF stores them."""
+    """Thresholds that zero a fraction ``level`` of each projection input on ``text`` (or,
+    for a profile, each named input's own fraction, the others none), and the grid of other
+    levels. Values are float32-rounded, as the GGUF stores them."""
     import torch
     from llmlocal.engine.model.sparsity import ProjectionHooks
 
-    check_level(level)
+    check_sparsity(level)
     n_layers = model.spec.n_layers
     hist = MagnitudeHistogram(n_layers)
     windows = model.windows(text, ctx, max_tokens)
@@ -218,9 +267,16 @@ def calibrate(
 
     grid_levels = tuple(f32(x) for x in GRID_LEVELS) if len(GRID_LEVELS) * n_layers <= _GRID_MAX_VALUES else ()
     rows = [row(q) for q in grid_levels]
+    levels: dict[str, float] = {}
+    if isinstance(level, Mapping):
+        levels = {p: f32(level.get(p, 0.0)) for p in SPARSITY_PROJECTIONS}
+        thresholds = {p: row(q)[p] if q > 0 else (0.0,) * n_layers for p, q in levels.items()}
+    else:
+        thresholds = row(level)
     return SparsitySpec(
-        level=f32(level),
-        thresholds=row(level),
+        level=max(levels.values()) if levels else f32(level),
+        thresholds=thresholds,
+        levels=levels,
         calibration_tokens=sum(len(w) for w in windows),
         calibration_text=text_name,
         grid_levels=grid_levels,
@@ -238,6 +294,8 @@ def sparsity_metadata(sparsity: SparsitySpec) -> list[KV]:
         KV.string(SPARSITY_PREFIX + "calibration_text", sparsity.calibration_text),
     ]
     keys += [KV.array(f"{SPARSITY_PREFIX}thresholds.{p}", list(sparsity.thresholds[p]), f32) for p in SPARSITY_PROJECTIONS]
+    if sparsity.levels:
+        keys.append(KV.array(SPARSITY_PREFIX + "projection_levels", [sparsity.levels[p] for p in SPARSITY_PROJECTIONS], f32))
     if sparsity.grid_levels:
         keys.append(KV.array(SPARSITY_PREFIX + "grid.levels", list(sparsity.grid_levels), f32))
         keys += [

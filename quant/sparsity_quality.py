@@ -64,6 +64,7 @@ class SparsityQuality:
     calibration_tokens: int
     calibration_text: str
     seconds: float
+    profile: str = ""  # a profile file's levels at its calibrated level ("ffn_down 60%"), else ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +94,8 @@ class SparsityQuality:
             ),
             f"  {'dense':>5}  {'':>6}  {'':>7}  {self.dense_ppl:10.4f}",
         ]
+        if self.profile:
+            lines.insert(1, f"  (a profile: at its level {max(r.level for r in self.levels):.2f}, {self.profile}; other levels every projection)")
         for r in self.levels:
             lines.append(
                 f"  {r.level:5.2f}  {r.achieved * 100:5.1f}%  {r.achieved_weights * 100:6.1f}%  {r.ppl:10.4f}  "
@@ -179,6 +182,7 @@ def evaluate_sparsity(
         calibration_tokens=sparsity.calibration_tokens,
         calibration_text=sparsity.calibration_text or "an unnamed text",
         seconds=round(time.monotonic() - started, 2),
+        profile=sparsity.describe() if sparsity.levels else "",
     )
 
 

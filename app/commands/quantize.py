@@ -15,11 +15,14 @@ Examples:
     llmlocal quantize model-Q8_0.gguf --type q4_k_m --allow-requantize --no-eval
     llmlocal quantize ~/models/Llama-3.2-1B-Instruct --type q4_0 --sparsity 0.4
     llmlocal quantize model-Q4_0.gguf --sparsity 0.4 -o model-sparse.gguf   # calibrate only
+    llmlocal quantize model-Q4_K_M.gguf --sparsity ffn_down=0.6             # a profile: one projection
 
 With --sparsity S, the output is run on calibration text (half of the built-in text, or
 --calib FILE) and per-layer thresholds that zero a fraction S of each projection's input
 activations are stored in it (llmlocal.sparsity.* keys), for llmlocal's sparse CPU engine;
-llama.cpp ignores them. The report then adds the sparse model against the dense one on the
+llama.cpp ignores them. --sparsity ffn_down=0.6 (a profile) sparsifies only the projections
+named, each at its own level: the MLP's down projection loses the least quality per weight
+skipped (README, Performance). The report then adds the sparse model against the dense one on the
 other half of the text (saved as OUT.gguf.sparsity.json). A 4-bit GGUF given without --type
 keeps its tensors byte for byte: only the thresholds are added.
 """
@@ -66,9 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--eval-tokens", type=int, default=None, metavar="N",
                    help="evaluate at most N tokens of the text (default: all)")
     sp = p.add_argument_group("activation sparsity")
-    sp.add_argument("--sparsity", type=float, nargs="?", const=DEFAULT_SPARSITY, default=None, metavar="S",
+    sp.add_argument("--sparsity", type=_sparsity, nargs="?", const=DEFAULT_SPARSITY, default=None, metavar="S",
                    help="calibrate thresholds that zero a fraction S of each projection's inputs and store them "
-                        f"in the GGUF (S defaults to {DEFAULT_SPARSITY}; the output type must be 4-bit)")
+                        f"in the GGUF (S defaults to {DEFAULT_SPARSITY}; the output type must be 4-bit), or of "
+                        "the projections named, each its own: ffn_down=0.6[,attn_output=0.3]"),
     sp.add_argument("--calib", metavar="TEXTFILE", default=None,
                    help="calibrate on this UTF-8 text (default: half of the built-in text; the other half evaluates)")
     p.add_argument("--allow-requantize", action="store_true",
@@ -76,6 +80,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     p.set_defaults(func=run)
+
+
+def _sparsity(text: str) -> object:
+    """--sparsity's value: a level, or a profile (a bad one raises the one-sentence error)."""
+    from llmlocal.quant.sparsity import parse_sparsity
+
+    return parse_sparsity(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if result.sparsity is not None:
         sp = result.sparsity
         print(
-            f"Stored activation thresholds for {sp.level:.0%} sparsity ({len(sp.thresholds)} projections x "
+            f"Stored activation thresholds for {sp.describe()} sparsity ({len(sp.thresholds)} projections x "
             f"{len(next(iter(sp.thresholds.values())))} layers), calibrated on {sp.calibration_tokens:,} tokens "
             f"of {sp.calibration_text}."
         )

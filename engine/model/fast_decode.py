@@ -16,7 +16,7 @@ with decodes) goes through the torch model.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -52,12 +52,15 @@ def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Proj
     return SparseInt4Projection
 
 
-def native_quant(device: torch.device, dtype: torch.dtype, spec: ModelSpec, sparse: bool = False) -> QuantFactory | None:
+def native_quant(
+    device: torch.device, dtype: torch.dtype, spec: ModelSpec, sparse: bool | Callable[[QuantRows], bool] = False
+) -> QuantFactory | None:
     """The layer for the GGUF quantized projections of ``spec``'s file on this device: the
     int8-activation kernels reading each tensor in its own bytes (every type of
     `qlayout.FORMATS`), on the CPU in fp32; None elsewhere. Dense models store columns in quads
     (faster); ``sparse`` keeps each column its own run, so that the kernels skip the columns of
-    zeroed inputs. Activations as `default_activations` chooses for the file, or as
+    zeroed inputs (a predicate: for the tensors it returns True for, by their first part).
+    Activations as `default_activations` chooses for the file, or as
     LLMLOCAL_NATIVE_ACTIVATIONS=int8|fp32 says: with fp32 the 4-bit types keep the INT4 kernels
     (closer to an exact reference, slower: see README), and only the others take the int8 path."""
     if native_int4(device, dtype) is None:
@@ -69,7 +72,8 @@ def native_quant(device: torch.device, dtype: torch.dtype, spec: ModelSpec, spar
     def build(parts: list[QuantRows], bias: torch.Tensor | None) -> QuantProjection | None:
         if mode == "fp32" and all(p.qtype in INT4_TYPES for p in parts):
             return None  # the INT4 factory takes them
-        return QuantProjection(parts, bias, interleaved=not sparse)
+        columns = sparse(parts[0]) if callable(sparse) else sparse
+        return QuantProjection(parts, bias, interleaved=not columns)
 
     return build
 

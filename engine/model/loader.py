@@ -239,7 +239,7 @@ def load_gguf(
             q = None
             fmt = QUANT_FORMATS.get(info.ggml_type)
             if quant is not None and fmt is not None and info.shape[0] % fmt.dgroup == 0:
-                q = lambda: _file_rows(t.raw(name), info.ggml_type, fix)  # noqa: E731
+                q = lambda: _file_rows(t.raw(name), info.ggml_type, fix, name)  # noqa: E731
             return _Part(int4, lambda: fix(t.float32(name)), bias, q)
 
         def vec(self, name: str, fix: RowFix = _same) -> torch.Tensor:
@@ -299,12 +299,12 @@ def load_gguf(
     return model
 
 
-def _file_rows(raw: np.ndarray, qtype: int, fix: RowFix) -> QuantRows:
+def _file_rows(raw: np.ndarray, qtype: int, fix: RowFix, name: str = "") -> QuantRows:
     """A tensor's rows in the file, in the order ``fix`` puts them (a row permutation, applied
     to the row indices: nothing is decoded or copied here)."""
     if fix is _same:
-        return QuantRows(qtype, raw)
-    return QuantRows(qtype, raw, fix(np.arange(raw.shape[0])))
+        return QuantRows(qtype, raw, name=name)
+    return QuantRows(qtype, raw, fix(np.arange(raw.shape[0])), name=name)
 
 
 def load_hf(

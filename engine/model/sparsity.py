@@ -46,6 +46,19 @@ def projection_modules(model: LlamaModel) -> dict[str, list[nn.Module]]:
     }
 
 
+_TENSOR_PROJECTIONS = {
+    "attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "attn_output": "attn_output",
+    "ffn_gate": "ffn_gate_up", "ffn_up": "ffn_gate_up", "ffn_down": "ffn_down",
+}
+
+
+def projection_of(tensor: str) -> str | None:
+    """The projection input a GGUF tensor reads ('blk.3.ffn_up.weight' -> 'ffn_gate_up'), or
+    None (embeddings, the output head, norms)."""
+    parts = tensor.split(".")
+    return _TENSOR_PROJECTIONS.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
+
+
 def threshold_activations(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """x with every entry of magnitude <= ``threshold`` set to zero (the kernels' contract)."""
     return torch.where(x.abs() > threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))

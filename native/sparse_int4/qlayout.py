@@ -238,6 +238,7 @@ class QuantRows:
     qtype: int
     raw: np.ndarray
     rows: np.ndarray | None = None
+    name: str = ""  # the tensor's name in the file (blk.3.ffn_down.weight), where known
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from llmlocal.engine.model.sparsity import ProjectionHooks, projection_modules, 
 from llmlocal.engine.types import DoneEvent, Request, SamplingParams, TokenEvent
 from llmlocal.models import resolve
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.quant.sparsity import split_builtin_text
 
 TEXT = split_builtin_text()[1]  # the held-out half: not what the thresholds were fitted on
@@ -233,6 +234,55 @@ def test_a_4bit_output_head_runs_in_the_kernels_too(tmp_path: Path) -> None:
         want = e.backend.log_probs(ids)
     np.testing.assert_allclose(got, want, atol=2e-3)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+def test_a_profile_skips_columns_of_the_mlp_only_and_gives_the_interleaved_layouts_output(tmp_path: Path) -> None:
+    """A Q4_K_M file (the starter requantized by llama.cpp) calibrated with `--sparsity
+    ffn_down=0.5`: the down projections keep the column layout (their zeroed inputs' columns
+    are not read), every other projection and the head the interleaved one. Loaded with a
+    level below the column layout's cut, everything is interleaved; set to the profile, its
+    logits over 8 tokens (one kernel call per projection, threads split by rows) are the column
+    layout's: on AVX512-VNNI bit for bit (those kernels apply the factors alike). Elsewhere the
+    column kernels sum in another order, and int8 activations turn rounding differences into
+    whole quantization steps downstream: the same top tokens."""
+    import llama_cpp
+    from llmlocal.engine.backends.sparse import column_min_level
+    from llmlocal.engine.model.sparse_linear import QuantProjection
+    from llmlocal.native.sparse_int4 import runtime
+
+    src = tmp_path / "q4_k_m.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, True
+    assert llama_cpp.llama_model_quantize(resolve().path.encode(), str(src).encode(), params) == 0
+    path = tmp_path / "profile.gguf"
+    from llmlocal.quant.pipeline import QuantizeJob, quantize
+
+    quantize(QuantizeJob(src=str(src), out=str(path), evaluate=False, sparsity={"ffn_down": 0.5}))
+    ids = list(range(200, 208))
+    logits = {}
+    kernels = runtime.kernels()
+    kernels.set_split_mode(0)
+    try:
+        for override in (None, 0.2):
+            with Engine.load(Plan(model=str(path), backend="sparse", sparsity=override, n_ctx=256)) as e:
+                backend = e.backend
+                assert isinstance(backend, SparseBackend)
+                layouts = {}
+                for proj, modules in backend.projections().items():
+                    kinds = {m.kernel.packed[0].interleaved for m in modules if isinstance(m, QuantProjection)}
+                    assert len(kinds) == 1, proj
+                    layouts[proj] = kinds.pop()
+                want_columns = override is None and 0.5 >= column_min_level()
+                assert layouts == {p: not (want_columns and p == "ffn_down") for p in SPARSITY_PROJECTIONS}
+                head = backend.runner.model.lm_head
+                assert not isinstance(head, QuantProjection) or head.kernel.packed[0].interleaved
+                backend.set_sparsity(0.5)  # the profile (the file's own level)
+                logits[override] = backend.log_probs(ids)
+    finally:
+        kernels.set_split_mode(2)
+    if runtime.qmat_kernel().startswith("avx512vnni"):
+        np.testing.assert_array_equal(logits[None], logits[0.2])
+    assert (logits[None].argmax(-1) == logits[0.2].argmax(-1)).mean() >= 0.75
 
 
 @pytest.fixture(scope="module")

@@ -170,7 +170,31 @@ def test_quantize_a_checkpoint_with_sparsity(random_checkpoint: Callable[..., Pa
         llm.close()
 
 
+def test_a_profile_calibrates_only_the_projections_named(calibrated: tuple[Path, dict], starter_path: str,
+                                                         tmp_path: Path) -> None:
+    """`--sparsity ffn_down=0.5`: the down projection's thresholds are the ones a uniform
+    calibration makes at 0.5 (the same text, the same histograms), every other input's are 0
+    (dense), the levels round-trip through the GGUF, and other levels stay uniform."""
+    out = tmp_path / "profile.gguf"
+    result = quantize(QuantizeJob(src=starter_path, out=str(out), evaluate=False, sparsity={"ffn_down": 0.5}))
+    sparsity = spec_from_gguf(out).sparsity
+    assert sparsity is not None and result.sparsity is not None
+    assert sparsity.levels == {"attn_qkv": 0.0, "attn_output": 0.0, "ffn_gate_up": 0.0, "ffn_down": 0.5}
+    assert sparsity.level == 0.5 and sparsity.describe() == "ffn_down 50%"
+    assert "llmlocal.sparsity.projection_levels" in read_gguf_header(out).metadata
+    uniform = spec_from_gguf(calibrated[0]).sparsity
+    assert uniform is not None and not uniform.levels
+    assert sparsity.thresholds["ffn_down"] == uniform.thresholds["ffn_down"]
+    for p in ("attn_qkv", "attn_output", "ffn_gate_up"):
+        assert set(sparsity.thresholds[p]) == {0.0}
+    assert sparsity.at(0.5) == sparsity.thresholds  # its own level: the profile
+    assert all(t > 0 for p in SPARSITY_PROJECTIONS for t in sparsity.at(0.3)[p])  # another: every input
+    assert sparsity.at(0.3) == uniform.at(0.3)
+
+
 @pytest.mark.parametrize("args, phrases", [
+    (["--sparsity", "ffn_dow=0.5"], ["unknown projection", "'ffn_dow'", "ffn_down"]),
+    (["--sparsity", "ffn_down=0"], ["at least one projection", "ffn_down=0.6"]),
     (["--sparsity", "1.5"], ["--sparsity must be a fraction between 0 and 1", "1.5"]),
     (["--sparsity", "0"], ["between 0 and 1"]),
     (["--sparsity", "0.5", "--type", "q8_0"], ["4-bit type", "q4_0"]),
