@@ -38,6 +38,7 @@ static int g_pieces_per_thread = 1; /* by rows: more bound the wait on a desched
  * when there are at least 32 per thread (K >= 2048 for 2 threads: long runs from memory, where
  * it measured 10-25% faster), else by rows (small matrices, often cache-resident). */
 static int g_split_mode = 2;
+#define QM_GROUP_SLOTS 16
 
 int si4_current_isa(void) { return g_isa; }
 
@@ -145,13 +146,16 @@ static void plan_job(job_t *j, int parts) {
     if (j->by_groups) {
         j->n_pieces = parts;
         const int32_t *goff = j->goff;
-        const long kept = goff[G];
-        /* pieces of whole super-blocks (their factors are applied once per super-block) */
+        /* pieces of whole super-blocks (their factors are applied once per super-block), of
+         * equal work: a quantized matrix's group costs about QM_GROUP_SLOTS slots besides its
+         * own (the factors, the running sums; measured on the 512-bit column kernel), which
+         * balances the pieces when few columns are kept */
         const int per_sb = j->qm && j->qm->dgroup > j->qm->group ? j->qm->dgroup / j->qm->group : 1;
+        const long fixed = j->qm ? QM_GROUP_SLOTS : 0, work = goff[G] + fixed * G;
         int g = 0;
-        for (int c = 0; c <= parts; c++) { /* first super-block with at least kept * c / parts before it */
-            const long want = kept * c / parts;
-            while (g < G && goff[g] < want) g += per_sb;
+        for (int c = 0; c <= parts; c++) { /* first super-block with at least work * c / parts before it */
+            const long want = work * c / parts;
+            while (g < G && goff[g] + fixed * g < want) g += per_sb;
             j->gbound[c] = c == parts || g > G ? G : g;
         }
     } else {
@@ -194,8 +198,10 @@ static int qm_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stri
                  .qx_stride = slots, .dx = S.dx, .dx_stride = nq, .xs = S.xs};
     job_t job = {.m = &mo->m, .qm = q, .qa = &a, .qkernel = g_qkernel, .batch = batch, .n_groups = G, .goff = S.goff,
                  .ybuf = S.ybuf, .y = py, .y_stride = y_stride};
-    /* threads by one row's bytes: a row's sums are split, so rounded, the same in any batch */
-    share_out(&job, (size_t)n_kept * q->colstride);
+    /* threads by one row's bytes: a row's sums are split, so rounded, the same in any batch;
+     * the column layout's groups cost work however few of their columns are kept */
+    const size_t work = (size_t)n_kept + (q->interleaved ? 0 : (size_t)QM_GROUP_SLOTS * (size_t)G);
+    share_out(&job, work * q->colstride);
     return n_kept;
 }
 
