@@ -24,9 +24,15 @@ from .gguf_header import ArrayInfo, TensorInfo, read_gguf_header
 #   llmlocal.sparsity.grid.levels           f32[G]   other levels, for run-time overrides
 #   llmlocal.sparsity.grid.<proj>           f32[G * n_layers], level-major
 SPARSITY_PREFIX = "llmlocal.sparsity."
-# `quantize --sparsity` with no value: the highest level whose perplexity increase on the
-# starter model stayed within 5% (the table of `llmlocal.quant.sparsity_quality`).
+# `quantize --sparsity` with no value, by the kernels the file's projections run in (measured
+# with `llmlocal.quant.sparsity_quality`, README): a file of 4-bit types only (the starter,
+# fp32 activations, every projection able to skip) every input at the highest level within 5%
+# perplexity on the starter; a K-quant mix (int8 activations) the MLP's down projection alone,
+# within 5% on Qwen2.5-Coder 1.5B (+2.5%) and 0.5B (+0.3%) and the level where skipping its
+# columns decodes faster than the dense kernels.
 DEFAULT_SPARSITY = 0.3
+DEFAULT_SPARSITY_PROFILE = {"ffn_down": 0.6}
+DEFAULT_SPARSITY_REQUEST = "default"  # what `--sparsity` with no value asks for: one of the two
 SPARSITY_PROJECTIONS = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gguf import GGUFValueType, Keys, LlamaFileType
-from llmlocal.models import read_gguf_header
+from llmlocal.models import read_gguf_header, spec_from_gguf
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.sizes import format_size
 from llmlocal.models.spec import SparsitySpec
@@ -54,7 +54,16 @@ from .llama_quantize import quantize_with_llama_cpp
 from .open_source import open_source
 from .progress import Listener, Progress
 from .source import ModelSource, SourceTensor
-from .sparsity import INT4_STORAGE, SPARSE_FORMATS, SparsityRequest, check_sparsity, describe_request, read_calibration_text
+from .sparsity import (
+    DEFAULT_REQUEST,
+    INT4_STORAGE,
+    SPARSE_FORMATS,
+    SparsityRequest,
+    check_sparsity,
+    default_sparsity,
+    describe_request,
+    read_calibration_text,
+)
 from .sparsity_quality import SparsityQuality
 
 QUANTIZATION_VERSION = 2  # ggml's block layout version, written by every converter
@@ -74,14 +83,16 @@ class QuantizeJob:
     eval_tokens: int | None = None  # evaluate at most this many tokens of the text
     allow_requantize: bool = False
     threads: int | None = None  # None: all cores
-    sparsity: SparsityRequest | None = None  # calibrate thresholds that zero this fraction (or a profile's)
+    sparsity: SparsityRequest | str | None = None  # calibrate thresholds that zero this fraction (or a profile's,
+    # or DEFAULT_REQUEST: `default_sparsity` of the output)
     calib_text: str | None = None  # a text file for the calibration; None: half of the built-in text
 
     def __post_init__(self) -> None:
         if self.type is not None:
             get_format(self.type)
         if self.sparsity is not None:
-            check_sparsity(self.sparsity)
+            if self.sparsity != DEFAULT_REQUEST:
+                check_sparsity(self.sparsity)  # type: ignore[arg-type]
             if self.type is not None and self.type.lower() not in SPARSE_FORMATS:
                 raise LLMLocalError(
                     f"--sparsity needs a 4-bit type, not {self.type}: the sparse engine reads INT4 weights, "
@@ -308,15 +319,23 @@ def _calibrate(session: _Session, gguf: Path) -> SparsitySpec:
     )
 
     job = session.job
-    assert job.sparsity is not None
+    request = _request(job, gguf)
     text = session.calib_text if session.calib_text is not None else split_builtin_text()[0]
     name = job.calib_text or BUILTIN_CALIBRATION_TEXT
-    progress = session.progress(f"calibrating {describe_request(job.sparsity)} activation sparsity", unit="tokens")
+    progress = session.progress(f"calibrating {describe_request(request)} activation sparsity", unit="tokens")
     try:
         with torch_model(gguf, job.eval_ctx, job.threads) as model:
-            return calibrate(model, text, job.sparsity, ctx=job.eval_ctx, text_name=name, progress=progress)
+            return calibrate(model, text, request, ctx=job.eval_ctx, text_name=name, progress=progress)
     finally:
         progress.close()
+
+
+def _request(job: QuantizeJob, gguf: Path) -> SparsityRequest:
+    """The job's --sparsity, with no value the default for the GGUF to calibrate."""
+    assert job.sparsity is not None
+    if job.sparsity == DEFAULT_REQUEST:
+        return default_sparsity(spec_from_gguf(gguf))
+    return job.sparsity  # type: ignore[return-value]
 
 
 def _write_calibrated(session: _Session, src: ModelSource, dst: Path, sparsity: SparsitySpec) -> None:
@@ -339,8 +358,8 @@ def _calibrate_only(session: _Session, source: ModelSource, text: str | None) ->
             f"--type q4_k_m (or q4_0) --allow-requantize to requantize it, or start from the F16/BF16 model."
         )
     if job.out is None or Path(job.out).expanduser().is_dir():
-        assert session.sparsity is None and job.sparsity is not None
-        label = round(100 * (max(job.sparsity.values()) if isinstance(job.sparsity, Mapping) else job.sparsity))
+        request = _request(job, Path(source.path))
+        label = round(100 * (max(request.values()) if isinstance(request, Mapping) else request))
         name = f"{Path(source.path).stem}-sparse{label}.gguf"
         out = (Path(job.out).expanduser() if job.out else Path.cwd()) / name
     else:

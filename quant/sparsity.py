@@ -32,6 +32,9 @@ from gguf import GGUFValueType
 from llmlocal.models import read_gguf_header, spec_from_gguf
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import (
+    DEFAULT_SPARSITY,
+    DEFAULT_SPARSITY_PROFILE,
+    DEFAULT_SPARSITY_REQUEST,
     SPARSITY_PREFIX,
     SPARSITY_PROJECTIONS,
     ModelSpec,
@@ -104,6 +107,16 @@ def check_sparsity(request: SparsityRequest) -> None:
             raise LLMLocalError(f"--sparsity: {name} must be a fraction between 0 and 1, got {level}.")
     if not any(v > 0 for v in request.values()):
         raise LLMLocalError("--sparsity: give at least one projection a level above 0 (such as ffn_down=0.6).")
+
+
+DEFAULT_REQUEST = DEFAULT_SPARSITY_REQUEST  # `--sparsity` with no value: `default_sparsity` of the file
+
+
+def default_sparsity(spec: ModelSpec) -> SparsityRequest:
+    """What `--sparsity` with no value calibrates for the GGUF ``spec`` (see DEFAULT_SPARSITY)."""
+    from llmlocal.engine.model.fast_decode import default_activations
+
+    return DEFAULT_SPARSITY if default_activations(spec) == "fp32" else dict(DEFAULT_SPARSITY_PROFILE)
 
 
 def describe_request(request: SparsityRequest) -> str:

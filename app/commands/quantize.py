@@ -35,7 +35,7 @@ import json
 import sys
 from typing import Any
 
-from llmlocal.models.spec import DEFAULT_SPARSITY
+from llmlocal.models.spec import DEFAULT_SPARSITY, DEFAULT_SPARSITY_PROFILE, DEFAULT_SPARSITY_REQUEST
 from llmlocal.quant.formats import DEFAULT_FORMAT, FORMATS
 
 
@@ -69,10 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--eval-tokens", type=int, default=None, metavar="N",
                    help="evaluate at most N tokens of the text (default: all)")
     sp = p.add_argument_group("activation sparsity")
-    sp.add_argument("--sparsity", type=_sparsity, nargs="?", const=DEFAULT_SPARSITY, default=None, metavar="S",
+    sp.add_argument("--sparsity", type=_sparsity, nargs="?", const=DEFAULT_SPARSITY_REQUEST, default=None, metavar="S",
                    help="calibrate thresholds that zero a fraction S of each projection's inputs and store them "
-                        f"in the GGUF (S defaults to {DEFAULT_SPARSITY}; the output type must be 4-bit), or of "
-                        "the projections named, each its own: ffn_down=0.6[,attn_output=0.3]"),
+                        "in the GGUF, or of the projections named, each its own: ffn_down=0.6[,attn_output=0.3] "
+                        f"(default: {DEFAULT_SPARSITY} for a file of 4-bit types only, such as Q4_0, else "
+                        f"{','.join(f'{p}={v}' for p, v in DEFAULT_SPARSITY_PROFILE.items())}; the output type must be 4-bit)"),
     sp.add_argument("--calib", metavar="TEXTFILE", default=None,
                    help="calibrate on this UTF-8 text (default: half of the built-in text; the other half evaluates)")
     p.add_argument("--allow-requantize", action="store_true",
@@ -83,10 +84,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _sparsity(text: str) -> object:
-    """--sparsity's value: a level, or a profile (a bad one raises the one-sentence error)."""
+    """--sparsity's value: a level, or a profile (a bad one raises the one-sentence error);
+    with no value argparse passes the default request here too."""
     from llmlocal.quant.sparsity import parse_sparsity
 
-    return parse_sparsity(text)
+    return text if text == DEFAULT_SPARSITY_REQUEST else parse_sparsity(text)
 
 
 def run(args: argparse.Namespace) -> int:

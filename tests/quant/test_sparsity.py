@@ -192,6 +192,17 @@ def test_a_profile_calibrates_only_the_projections_named(calibrated: tuple[Path,
     assert sparsity.at(0.3) == uniform.at(0.3)
 
 
+@pytest.mark.parametrize("qtype, want", [("q4_0", 0.3), ("q8_0", {"ffn_down": 0.6})])
+def test_the_default_follows_the_kernels_the_file_runs_in(tmp_path: Path, qtype: str, want: object) -> None:
+    """`--sparsity` with no value: every input at 0.3 for a file of 4-bit types only (fp32
+    activations, every projection skips), the down projection alone at 0.6 for the others."""
+    from llmlocal.quant.sparsity import default_sparsity
+    from llmlocal.quant.synthetic import random_gguf
+
+    path = random_gguf(tmp_path / f"{qtype}.gguf", shape="smollm2-135m", qtype=qtype)
+    assert default_sparsity(spec_from_gguf(path)) == want
+
+
 @pytest.mark.parametrize("args, phrases", [
     (["--sparsity", "ffn_dow=0.5"], ["unknown projection", "'ffn_dow'", "ffn_down"]),
     (["--sparsity", "ffn_down=0"], ["at least one projection", "ffn_down=0.6"]),
