@@ -37,3 +37,17 @@ def decodes_faster_natively(spec: ModelSpec, simd: frozenset[str]) -> bool:
     """Whether the paged engine decodes this GGUF faster than llama.cpp on a CPU with ``simd``
     (hardware.simd_features()): the file runs natively and the CPU is of a kind measured so."""
     return FASTER_ON in simd and runs_natively(spec)
+
+
+FOUR_BIT_TYPES = frozenset({2, 3, 12})  # Q4_0 Q4_1 Q4_K: fp32 activations, every projection skips
+
+
+def sparse_pays(spec: ModelSpec, simd: frozenset[str]) -> bool:
+    """Whether the sparse backend is the fast way to run this calibrated GGUF on a CPU with
+    ``simd``: a file of 4-bit projection types only (fp32 activations; every projection skips
+    its zeroed inputs' columns), or one the native kernels decode faster than llama.cpp on this
+    CPU (K-quant mixes: there only the MLP's projections skip, and only with the 512-bit column
+    kernels does skipping beat the dense layout; elsewhere the sparse file would run the dense
+    kernels, as fast as llama.cpp at best, and lose the quality the thresholds cost)."""
+    layers = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+    return bool(layers) and layers <= FOUR_BIT_TYPES or decodes_faster_natively(spec, simd)

@@ -18,8 +18,9 @@ order is, most important first:
     6. full-precision KV cache
     7. draft model on
     8. the backend preferred on the device: paged on CUDA; on a CPU sparse for a file with
-       calibrated sparsity, paged where its native kernels decode the file faster than
-       llama.cpp on this CPU (native_support.decodes_faster_natively), else llamacpp
+       calibrated sparsity where skipping pays (native_support.sparse_pays), paged where its
+       native kernels decode the file faster than llama.cpp on this CPU
+       (native_support.decodes_faster_natively), else llamacpp
     9. more batch slots
    10. less memory
 """
@@ -35,7 +36,7 @@ from llmlocal.models.sizes import format_size
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .hardware import Hardware
-from .native_support import FASTER_ON_NAME, decodes_faster_natively, runs_natively
+from .native_support import FASTER_ON_NAME, decodes_faster_natively, runs_natively, sparse_pays
 from .plan import Plan
 from .plan_search import (
     BACKENDS,
@@ -101,9 +102,10 @@ def _key(c: Candidate, has_gpu: bool, wanted: int, cpu_default: str = "llamacpp"
 
 
 def _cpu_backend(spec: ModelSpec, simd: frozenset[str]) -> str:
-    """The backend preferred on a CPU: sparse for a file with calibrated sparsity, paged where its
-    native kernels decode the file faster than llama.cpp on this CPU, else llama.cpp."""
-    if getattr(spec, "sparsity", None) is not None:
+    """The backend preferred on a CPU: sparse for a file with calibrated sparsity where skipping
+    pays (native_support.sparse_pays), paged where its native kernels decode the file faster
+    than llama.cpp on this CPU, else llama.cpp (which runs a calibrated file densely)."""
+    if getattr(spec, "sparsity", None) is not None and sparse_pays(spec, simd):
         return "sparse"
     return "paged" if decodes_faster_natively(spec, simd) else "llamacpp"
 

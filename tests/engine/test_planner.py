@@ -159,6 +159,27 @@ def test_a_cpu_with_avx512_vnni_runs_the_starter_in_the_paged_engine_and_says_wh
     assert choose([f16], vnni).plan.backend == "llamacpp"
 
 
+def test_a_calibrated_file_takes_the_sparse_engine_where_skipping_pays() -> None:
+    """A file with sparsity thresholds: of 4-bit types only (every projection skips, fp32
+    activations) the sparse engine on any CPU; a K-quant mix only where the 512-bit column
+    kernels skip profitably (AVX512-VNNI), else llama.cpp, which runs the file densely."""
+    import dataclasses
+
+    from llmlocal.engine.plan_search import BACKENDS
+    from llmlocal.models.spec import SPARSITY_PROJECTIONS, SparsitySpec
+
+    sparsity = SparsitySpec(level=0.6, thresholds={p: (0.1,) * 32 for p in SPARSITY_PROJECTIONS}, calibration_tokens=100)
+    vnni = Hardware(total_ram=8 * GIB, available_ram=int(5.5 * GIB), physical_cores=4,
+                    simd=AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+    backends = (*BACKENDS, "sparse")
+    four_bit = dataclasses.replace(smollm2(), sparsity=sparsity)
+    mix = dataclasses.replace(model("SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, 8192, "Q4_K_M", tied=True), sparsity=sparsity)
+    assert choose([four_bit], LAPTOP_8GB, backends=backends).plan.backend == "sparse"
+    assert choose([four_bit], vnni, backends=backends).plan.backend == "sparse"
+    assert choose([mix], vnni, backends=backends).plan.backend == "sparse"
+    assert choose([mix], LAPTOP_8GB, backends=backends).plan.backend == "llamacpp"
+
+
 def test_laptop_takes_q4_k_m_of_llama_8b_and_shortens_the_context() -> None:
     c = choose([llama_8b("Q4_K_M"), llama_8b("Q8_0")], LAPTOP_8GB)
     # Q8_0 (8.5 GB) cannot fit 5.5 GB; Q4_K_M fits with a q8_0 KV cache at 4096, not at 8192
