@@ -187,9 +187,11 @@ class QuantLinear:
     the weight dequantized in tiles, on the activations rounded as the GEMV rounds them."""
 
     # Prefill (48+ rows): the quad-interleaved layout runs it through the int8 kernel, 64 rows
-    # of x a call in blocks of 256 weight rows (csrc/qmat_avx2.c, kernel_il); measured on the
+    # of x a call in blocks of 256 weight rows (csrc/qmat_body.h, kernel_il); measured on the
     # 1.5B, a 329-token prompt took 7.4-7.8 s that way and 9.4-10.5 s as torch's fp32 GEMM on
-    # the dequantized weight. The column layout (sparse files) keeps the GEMM, faster there.
+    # the dequantized weight. The column layout (sparse files) takes the same kernel where it
+    # runs on AMX tiles (the quads read from the columns' runs), else keeps the GEMM, faster
+    # than its own batched kernel there.
     prefill_matmul: bool
 
     def __init__(self, parts: list[QuantCodes | QuantRows], interleaved: bool = False) -> None:
@@ -202,7 +204,7 @@ class QuantLinear:
             else:
                 runs.append([p])
         self.packed: list[PackedQuant] = [_pack(r, interleaved) for r in runs]
-        self.prefill_matmul = not interleaved
+        self.prefill_matmul = not interleaved and kernels().qmat_kernel() != "avx512vnni-amx"
         k = {p.k for p in self.packed}
         if len(k) != 1:
             raise ValueError(f"stacked tensors must share their input size, not {sorted(k)}")

@@ -140,8 +140,10 @@ static void sum_pieces(const job_t *j) {
 static void plan_job(job_t *j, int parts) {
     const int units = (j->m->npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
     const int G = j->n_groups;
-    /* the interleaved layout sums a row over all of K at once: always by rows */
-    j->by_groups = parts > 1 && parts <= MAX_GROUP_PIECES && parts <= G && !(j->qm && j->qm->interleaved) &&
+    /* the interleaved layout (and the column layout's prefill) sums a row over all of K at once:
+     * always by rows */
+    j->by_groups = parts > 1 && parts <= MAX_GROUP_PIECES && parts <= G &&
+                   !(j->qm && (j->qm->interleaved || j->batch > SI4_MAX_BATCH)) &&
                    (g_split_mode == 1 || (g_split_mode == 2 && G >= 32 * parts));
     if (j->by_groups) {
         j->n_pieces = parts;
@@ -192,7 +194,10 @@ static int qm_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stri
         grow((void **)&S.ybuf, &S.ybuf_n, (size_t)q->npad * batch * si4_pool_size(), 4))
         return -1;
     int n_slots;
-    const int n_kept = qm_prepare(px, x_stride, batch, q->k, q->group, threshold, dense, q->interleaved, S.cols, S.goff, S.qx, slots,
+    /* more rows than a decode step (prefill): nearly every column is some row's, so every column
+     * gets its slot (zeroed values computed), which the prefill kernels want */
+    const int all_columns = q->interleaved || batch > SI4_MAX_BATCH;
+    const int n_kept = qm_prepare(px, x_stride, batch, q->k, q->group, threshold, dense, all_columns, S.cols, S.goff, S.qx, slots,
                                   S.dx, nq, S.xs, pcnt, &n_slots);
     qm_acts a = {.batch = batch, .n_groups = G, .n_slots = n_slots, .cols = S.cols, .goff = S.goff, .qx = S.qx,
                  .qx_stride = slots, .dx = S.dx, .dx_stride = nq, .xs = S.xs};
@@ -658,6 +663,7 @@ static PyObject *py_set_isa(PyObject *mod, PyObject *arg) {
     g_sparse_prepare = qm_sparse_prepare_for(g_qkernel);
     g_qdequant = qm_dequant_for(isa);
     g_dense_prepare = qm_dense_prepare_for(isa);
+    g_zeroing_prepare = qm_zeroing_prepare_for(isa);
     pthread_mutex_unlock(&si4_call_lock);
     Py_RETURN_NONE;
 }
@@ -928,6 +934,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     g_sparse_prepare = qm_sparse_prepare_for(g_qkernel);
     g_qdequant = qm_dequant_for(g_isa);
     g_dense_prepare = qm_dense_prepare_for(g_isa);
+    g_zeroing_prepare = qm_zeroing_prepare_for(g_isa);
     if (PyType_Ready(&si4_matrix_type) < 0 || PyType_Ready(&si4_qmatrix_type) < 0 || PyType_Ready(&si4_stack_type) < 0 || PyType_Ready(&si8_matrix_type) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&module_def);

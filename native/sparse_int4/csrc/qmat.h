@@ -110,6 +110,18 @@ void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, in
 #endif
 qm_dense_prepare_fn qm_dense_prepare_for(int isa);
 extern qm_dense_prepare_fn g_dense_prepare; /* the current ISA's, set with it */
+/* The all-columns case with a threshold (values at or below it zeroed, every column its slot):
+ * qx, dx, xs and row_counts as qm_prepare makes them; returns the columns some row keeps, -1
+ * out of memory. g_zeroing_prepare: the current ISA's, or NULL (the loop in qm_prepare). */
+typedef int (*qm_zeroing_prepare_fn)(const float *x, size_t x_stride, int batch, int k, int group, float threshold,
+                                     int8_t *qx, size_t qx_stride, float *dx, size_t dx_stride, float *xs,
+                                     int32_t *row_counts);
+#ifdef LLMLOCAL_X86_VARIANTS
+int qm_zeroing_prepare_avx2(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int8_t *qx,
+                            size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts);
+#endif
+qm_zeroing_prepare_fn qm_zeroing_prepare_for(int isa);
+extern qm_zeroing_prepare_fn g_zeroing_prepare;
 
 /* qm_prepare's thresholded case for the column layout (all_columns 0, batch <= SI4_MAX_BATCH)
  * in a kernel's vector registers: the same outputs. g_sparse_prepare is the current kernel's

@@ -335,6 +335,35 @@ AI const uint8_t *group_tile(const uint8_t *chunk, unsigned g, size_t tile_bytes
         for (size_t l = 0; l < tile_bytes; l += 64) __builtin_prefetch(p + pf + l, 0, 3);
     return p;
 }
+/* Where a group's quads come from over one chunk: the interleaved layout's tile, or (IL 0: the
+ * column layout's prefill) the runs of the group's columns at the chunk's offset, four at a time
+ * through load_quad, which gives the same vectors. */
+typedef struct {
+    const uint8_t *tile, *col0; /* IL: the tile; else the group's first column at the chunk */
+    size_t colstride;
+} quad_src;
+
+AI quad_src group_quads(const qm_matrix *m, const uint8_t *chunk, int row, unsigned g, size_t tile_bytes, int pf,
+                        const int IL) {
+    quad_src q = {NULL, NULL, m->colstride};
+    if (IL) q.tile = group_tile(chunk, g, tile_bytes, pf);
+    else q.col0 = m->codes + (size_t)g * (size_t)(m->bits == 6 ? 16 : 32) * m->colstride + (size_t)(row / 32) * (size_t)(4 * m->bits);
+    return q;
+}
+
+/* Half h of quad i's codes (load_half_il's W[0], W[1]). */
+AI void quad_half(const quad_src *q, unsigned i, const int h, const int BITS, const int IL, __m256i W[2]) {
+    if (IL) {
+        load_half_il(q->tile + (size_t)i * (16 * BITS), h, BITS, W);
+        return;
+    }
+    const uint8_t *c[4];
+    for (int t = 0; t < 4; t++) c[t] = q->col0 + (size_t)(4 * i + (unsigned)t) * q->colstride;
+    __m256i Q[4];
+    load_quad(c, BITS, Q);
+    W[0] = Q[2 * h];
+    W[1] = Q[2 * h + 1];
+}
 #define NB_MAX 4 /* rows of x per pass over a half */
 
 /* A chunk's factors from row n on: factor f of rows n .. n + 7 at [fs f] (d and m per
@@ -419,11 +448,11 @@ typedef struct {
  * |sum| x scale <= 32 x 31 x 127 x 63 < 2^24. */
 #define INT_SCALED(KIND) ((KIND) == KIND_Q6 || ((KIND) == KIND_KQ && !QM_VNNI))
 
-/* acc[b][t] element e = sum over the group's quads (tile at p) of q(row 16 h + 8 t + e) * qx,
+/* acc[b][t] element e = sum over the group's quads (from p) of q(row 16 h + 8 t + e) * qx,
  * weighted by the row's sub-block scale in f[t].wt if INT_SCALED, for the BB rows of x at
  * qx[b * qs]. */
-AI void group_sums_il(const uint8_t *p, const int8_t *qx, size_t qs, const int h, const int BB, const int BITS,
-                      const int KIND, const fac8 f[2], __m256i acc[NB_MAX][2]) {
+AI void group_sums_il(const quad_src *p, const int8_t *qx, size_t qs, const int h, const int BB, const int BITS,
+                      const int KIND, const int IL, const fac8 f[2], __m256i acc[NB_MAX][2]) {
     const int NQ = (BITS == 6 ? 16 : 32) / 4, RUN = QUADS_PER_RUN(BITS) < NQ ? QUADS_PER_RUN(BITS) : NQ;
     for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
     for (int i0 = 0; i0 < NQ; i0 += RUN) { /* RUN divides NQ */
@@ -433,7 +462,7 @@ AI void group_sums_il(const uint8_t *p, const int8_t *qx, size_t qs, const int h
 #pragma GCC unroll 2
         for (int i = i0; i < i0 + RUN; i++) {
             __m256i W[2];
-            load_half_il(p + (size_t)i * (16 * BITS), h, BITS, W);
+            quad_half(p, (unsigned)i, h, BITS, IL, W);
             for (int b = 0; b < BB; b++) {
                 int32_t q4;
                 memcpy(&q4, qx + (size_t)b * qs + 4 * i, 4);
@@ -851,10 +880,10 @@ static inline void amx_configure(unsigned group) {
 
 /* B: the codes of a group's quads (tile at p), unpacked as the VNNI kernel unpacks them, a
  * row of 64 bytes per quad. */
-AI void amx_unpack(const uint8_t *p, const int h, const int BITS, uint8_t *bt) {
+AI void amx_unpack(const quad_src *p, const int h, const int BITS, const int IL, uint8_t *bt) {
     for (int i = 0; i < (BITS == 6 ? 16 : 32) / 4; i++) {
         __m256i W[2];
-        load_half_il(p + (size_t)i * (16 * BITS), h, BITS, W);
+        quad_half(p, (unsigned)i, h, BITS, IL, W);
         _mm256_store_si256((__m256i *)(bt + 64 * i), W[0]);
         _mm256_store_si256((__m256i *)(bt + 64 * i + 32), W[1]);
     }
@@ -894,7 +923,7 @@ AI void amx_unpack(const uint8_t *p, const int h, const int BITS, uint8_t *bt) {
  * rows' sums in s, each group's factors computed once for all of them); y written to ybuf.
  * Interleaved x: row b's qx of group g at qx + b * qs + GROUP g (every column has its slot). */
 AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0, const int BB,
-                  acc8 (*big)[2], void *tiled, float *ybuf, const int BITS, const int KIND, int pf) {
+                  acc8 (*big)[2], void *tiled, float *ybuf, const int BITS, const int KIND, const int IL, int pf) {
     const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP;
     const unsigned G = (unsigned)m->k / GROUP, B = (unsigned)a->batch, NR = big ? B : (unsigned)BB;
     const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS), qs = a->qx_stride;
@@ -921,7 +950,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
     for (unsigned sb = 0; sb < G / PER_SB; sb++) {
         for (unsigned j = 0; j < PER_SB; j++) {
             const unsigned g = sb * PER_SB + j, qb = g * GROUP / QM_QBLOCK;
-            const uint8_t *p = group_tile(chunk, g, tile_bytes, pf);
+            const quad_src p = group_quads(m, chunk, n - 16 * h, g, tile_bytes, pf, IL);
             fac8 f[2];
             for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
             const int8_t *qx = a->qx + (size_t)g * GROUP;
@@ -930,10 +959,13 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
                 /* this group's tile multiplies first, then the next group's codes unpacked while
                  * they run, then this group's float updates from their sums */
                 uint8_t *bt = bts[g % 2];
-                if (g == 0) amx_unpack(p, h, BITS, bt);
+                if (g == 0) amx_unpack(&p, h, BITS, IL, bt);
                 _tile_loadd(2, bt, 64);
                 for (unsigned c = 0; c < R / 16; c++) AMX_BLOCK(c, qx + (size_t)(16 * c) * qs, qs, BITS);
-                if (g + 1 < G) amx_unpack(p + tile_bytes, h, BITS, bts[(g + 1) % 2]);
+                if (g + 1 < G) {
+                    const quad_src next = group_quads(m, chunk, n - 16 * h, g + 1, tile_bytes, 0, IL);
+                    amx_unpack(&next, h, BITS, IL, bts[(g + 1) % 2]);
+                }
                 const fac16 F = join_factors(f, KIND);
                 for (unsigned c = 0; c < R / 16; c++) {
                     AMX_STORE(c, ct);
@@ -950,7 +982,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
                 __m256i acc[NB_MAX][2];
 #define PASS_ROWS(BB_)                                                                                          \
     do {                                                                                                        \
-        group_sums_il(p, qx + (size_t)c0 * qs, qs, h, BB_, BITS, KIND, f, acc);                                       \
+        group_sums_il(&p, qx + (size_t)c0 * qs, qs, h, BB_, BITS, KIND, IL, f, acc);                                  \
         for (int b = 0; b < BB_; b++)                                                                           \
             for (int t = 0; t < 2; t++)                                                                         \
                 group_update(&s[r0 + b][t], &f[t], acc[b][t], a->dx[(size_t)(c0 + b) * a->dx_stride + qb],      \
@@ -988,13 +1020,16 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
 #if QM_ZMM
 #define DECODE_PASS(H, b0, BB, pf) half_pass16(m, a, chunk, row + 16 * (H), H, b0, BB, ybuf, BITS, KIND, pf)
 #else
-#define DECODE_PASS(H, b0, BB, pf) half_pass(m, a, chunk, row + 16 * (H), H, b0, BB, NULL, NULL, ybuf, BITS, KIND, pf)
+#define DECODE_PASS(H, b0, BB, pf) half_pass(m, a, chunk, row + 16 * (H), H, b0, BB, NULL, NULL, ybuf, BITS, KIND, 1, pf)
 #endif
 
-/* Rows [row0, row1) of W over all of its groups (calls are split by rows: g0 = 0, g1 = K / group). */
-AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS, const int KIND) {
+/* Rows [row0, row1) of W over all of its groups (calls are split by rows: g0 = 0, g1 = K / group).
+ * IL 0: the column layout, prefill only (more than SI4_MAX_BATCH rows of x, every column in its
+ * slot), its quads from the columns' runs: the same sums, the same floats. */
+AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS, const int KIND,
+                  const int IL) {
     const int B = a->batch;
-    const int pf0 = si4_prefetch_ahead * BITS / 4 * 4;
+    const int pf0 = IL ? si4_prefetch_ahead * BITS / 4 * 4 : 0;
     acc8 (*big)[2] = NULL; /* prefill: every row's sums */
     if (B > SI4_MAX_BATCH && !(big = aligned_alloc(32, sizeof(acc8) * 2 * (size_t)B))) return;
     void *tiled = NULL; /* prefill's rows by AMX: their sums (acc16) */
@@ -1007,10 +1042,10 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
     do {                                                                                                        \
         const int n = row + 16 * (H), pf = (H) == 0 ? pf0 : 0; /* each line once, ahead of the stream */        \
         if (big) {                                                                                              \
-            half_pass(m, a, chunk, n, H, 0, 0, big, tiled, ybuf, BITS, KIND, pf);                               \
+            half_pass(m, a, chunk, n, H, 0, 0, big, tiled, ybuf, BITS, KIND, IL, pf);                           \
             break;                                                                                              \
         }                                                                                                       \
-        for (int b0 = 0; b0 < B; b0 += NB_MAX) /* a decode step: passes of rows in registers */                 \
+        for (int b0 = 0; IL && b0 < B; b0 += NB_MAX) /* a decode step: passes of rows in registers */          \
             switch (B - b0 < NB_MAX ? B - b0 : NB_MAX) {                                                        \
             case 1: DECODE_PASS(H, b0, 1, b0 ? 0 : pf); break;                                                  \
             case 2: DECODE_PASS(H, b0, 2, b0 ? 0 : pf); break;                                                  \
@@ -1030,19 +1065,26 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
 }
 
 /* kernel_il with the matrix's factor kind as a compile-time constant. */
-AI void kernel_il_kinds(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS) {
-    if ((BITS == 4 || BITS == 5) && m->mn) kernel_il(m, a, row0, row1, ybuf, BITS, KIND_KQ);
-    else if (BITS == 6) kernel_il(m, a, row0, row1, ybuf, BITS, KIND_Q6);
-    else kernel_il(m, a, row0, row1, ybuf, BITS, KIND_PLAIN);
+AI void kernel_il_kinds(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS,
+                        const int IL) {
+    if ((BITS == 4 || BITS == 5) && m->mn) kernel_il(m, a, row0, row1, ybuf, BITS, KIND_KQ, IL);
+    else if (BITS == 6) kernel_il(m, a, row0, row1, ybuf, BITS, KIND_Q6, IL);
+    else kernel_il(m, a, row0, row1, ybuf, BITS, KIND_PLAIN, IL);
 }
 
 AI void kernel(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, int g1, float *ybuf, const int BITS,
               const int IL) {
     const int B = a->batch, cb = 4 * BITS;
     if (IL) { /* split by rows only (module.c) */
-        kernel_il_kinds(m, a, row0, row1, ybuf, BITS);
+        kernel_il_kinds(m, a, row0, row1, ybuf, BITS, 1);
         return;
     }
+#ifdef QM_AMX
+    if (B > SI4_MAX_BATCH) { /* prefill of a sparse file: every column has its slot, split by rows */
+        kernel_il_kinds(m, a, row0, row1, ybuf, BITS, 0);
+        return;
+    }
+#endif
     if (B > SI4_MAX_BATCH) {
         wide(m, a, row0, row1, g0, g1, ybuf, BITS);
         return;
@@ -1159,5 +1201,58 @@ void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, in
             xs[(size_t)g * batch + b] = (float)isum * dx[(size_t)b * dx_stride + g * group / QM_QBLOCK];
         }
     }
+}
+
+/* qm_prepare's all-columns case with a threshold (the interleaved layout's thresholded calls,
+ * and prefill on either layout): qm_dense_prepare_avx2 on the values above the threshold, the
+ * others zeroed, with each row's count kept and the columns some row keeps counted; the scalar
+ * loop's numbers (it was a fifth of a thresholded prefill's time). */
+int qm_zeroing_prepare_avx2(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int8_t *qx,
+                            size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), t = _mm256_set1_ps(threshold);
+    const int nq = k / QM_QBLOCK;
+    uint32_t *any = calloc((size_t)nq, sizeof(uint32_t)); /* per block: the inputs some row keeps */
+    if (!any) return -1;
+    for (int b = 0; b < batch; b++) {
+        const float *xb = x + (size_t)b * x_stride;
+        int8_t *qb = qx + (size_t)b * qx_stride;
+        int32_t cnt = 0;
+        for (int q = 0; q < nq; q++) {
+            const float *p = xb + q * QM_QBLOCK;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            uint32_t bits = 0;
+            for (int i = 0; i < 4; i++) {
+                const __m256 a = _mm256_and_ps(_mm256_loadu_ps(p + 8 * i), absmask);
+                const __m256 keep = _mm256_cmp_ps(a, t, _CMP_GT_OQ);
+                v[i] = _mm256_and_ps(_mm256_loadu_ps(p + 8 * i), keep);
+                mx = _mm256_max_ps(mx, _mm256_and_ps(a, keep));
+                bits |= (uint32_t)_mm256_movemask_ps(keep) << (8 * i);
+            }
+            cnt += __builtin_popcount(bits);
+            any[q] |= bits;
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            dx[(size_t)b * dx_stride + q] = d;
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256i r[4];
+            for (int i = 0; i < 4; i++) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));
+            const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qb + q * QM_QBLOCK), bytes);
+        }
+        if (row_counts) row_counts[b] = cnt;
+        for (int g = 0; g < k / group; g++) {
+            int32_t isum = 0;
+            for (int j = g * group; j < (g + 1) * group; j++) isum += qb[j];
+            xs[(size_t)g * batch + b] = (float)isum * dx[(size_t)b * dx_stride + g * group / QM_QBLOCK];
+        }
+    }
+    int kept = 0;
+    for (int q = 0; q < nq; q++) kept += __builtin_popcount(any[q]);
+    free(any);
+    return kept;
 }
 #endif

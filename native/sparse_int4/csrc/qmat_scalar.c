@@ -63,6 +63,7 @@ void qm_kernel_scalar(const qm_matrix *m, const qm_acts *a, int row0, int row1, 
 
 qm_dense_prepare_fn g_dense_prepare; /* set with the ISA (module.c); NULL: the loop below */
 qm_sparse_prepare_fn g_sparse_prepare; /* set with the kernel (module.c); NULL: the loop below */
+qm_zeroing_prepare_fn g_zeroing_prepare; /* set with the ISA (module.c); NULL: the loop below */
 
 /* The dense case of qm_prepare for one ISA-independent definition: per row and block of 32,
  * dx = max |x| / 127, qx = lrint(x * (1 / dx)), xs = dx * sum of the group's qx. */
@@ -99,6 +100,16 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
             for (int b = 0; b < batch; b++) row_counts[b] = k;
         *n_slots = k;
         return k;
+    }
+    if (!dense && all_columns && g_zeroing_prepare) {
+        const int kept = g_zeroing_prepare(x, x_stride, batch, k, group, threshold, qx, qx_stride, dx, dx_stride, xs,
+                                           row_counts);
+        if (kept >= 0) {
+            for (int j = 0; j < k; j++) cols[j] = j;
+            for (int g = 0; g <= n_groups; g++) goff[g] = g * group;
+            *n_slots = k;
+            return kept;
+        }
     }
     if (!dense && !all_columns && g_sparse_prepare && batch <= SI4_MAX_BATCH)
         return g_sparse_prepare(x, x_stride, batch, k, group, threshold, cols, goff, qx, qx_stride, dx, dx_stride, xs,
@@ -230,6 +241,14 @@ qm_dequant_fn qm_dequant_for(int isa) {
 #endif
     (void)isa;
     return qm_dequant;
+}
+
+qm_zeroing_prepare_fn qm_zeroing_prepare_for(int isa) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (isa >= SI4_ISA_AVX2) return qm_zeroing_prepare_avx2;
+#endif
+    (void)isa;
+    return NULL;
 }
 
 qm_dense_prepare_fn qm_dense_prepare_for(int isa) {
