@@ -673,20 +673,43 @@ typedef struct {
     size_t rows; /* per row of x */
 } col_sums;
 
-/* Group g (j-th of its super-block) over the chunk at `row` (offset `at` into the sums), rows
- * [b0, b0 + BB) of x. Each quad's four columns are prefetched `pf` bytes ahead in their runs,
- * or, past `end` (the call's last row's bytes), the next group's slot at the wrapped offset. */
+/* load_quad for two consecutive 4-bit chunks at once (each column's 32 bytes in one load), as
+ * col_group16 wants them: Z[0], Z[1] rows 0-15 and 16-31 of the first chunk, Z[2], Z[3] of the
+ * second. The same bytes as two load_quad calls and their joins, in about half the shuffles. */
+AI void load_quad64_4(const uint8_t *const p[4], __m512i Z[4]) {
+    const __m256i c0 = _mm256_loadu_si256((const __m256i *)p[0]), c1 = _mm256_loadu_si256((const __m256i *)p[1]);
+    const __m256i c2 = _mm256_loadu_si256((const __m256i *)p[2]), c3 = _mm256_loadu_si256((const __m256i *)p[3]);
+    const __m256i a = _mm256_unpacklo_epi8(c0, c1), b = _mm256_unpackhi_epi8(c0, c1);
+    const __m256i c = _mm256_unpacklo_epi8(c2, c3), d = _mm256_unpackhi_epi8(c2, c3);
+    /* 128-bit lanes of U: bytes 0-3 of chunk A, of chunk B, bytes 4-7 of A, of B (V: 8-11, 12-15) */
+    const __m512i U = join_si(_mm256_unpacklo_epi16(a, c), _mm256_unpackhi_epi16(a, c));
+    const __m512i V = join_si(_mm256_unpacklo_epi16(b, d), _mm256_unpackhi_epi16(b, d));
+    const __m512i f = _mm512_set1_epi8(15);
+    const __m512i ul = _mm512_and_si512(U, f), uh = _mm512_and_si512(_mm512_srli_epi16(U, 4), f);
+    const __m512i vl = _mm512_and_si512(V, f), vh = _mm512_and_si512(_mm512_srli_epi16(V, 4), f);
+    const __m512i first = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), second = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
+    Z[0] = _mm512_permutex2var_epi64(ul, first, uh);
+    Z[1] = _mm512_permutex2var_epi64(vl, first, vh);
+    Z[2] = _mm512_permutex2var_epi64(ul, second, uh);
+    Z[3] = _mm512_permutex2var_epi64(vl, second, vh);
+}
+
+/* Group g (j-th of its super-block) over CH chunks (32 CH rows) from `row` (offset `at` into
+ * the sums), rows [b0, b0 + BB) of x; CH 2 for 4-bit codes only. Each quad's four columns are
+ * prefetched `pf` bytes ahead in their runs, or, past `end` (the call's last row's bytes), the
+ * next group's slot at the wrapped offset. */
 AI void col_group16(const qm_matrix *m, const qm_acts *a, unsigned g, unsigned j, int row, size_t at, int b0,
-                    const int BB, float *ybuf, const col_sums *cs, const int BITS, const int KIND, int pf, size_t end,
-                    size_t start) {
+                    const int BB, float *ybuf, const col_sums *cs, const int BITS, const int KIND, const int CH, int pf,
+                    size_t end, size_t start) {
     const unsigned GROUP = BITS == 6 ? 16 : 32, B = (unsigned)a->batch, qb = g * GROUP / QM_QBLOCK;
     const size_t qs = a->qx_stride, stride = m->colstride, choff = (size_t)(row / 32) * (size_t)(4 * BITS);
     const int s0 = a->goff[g], s1 = a->goff[g + 1];
     const size_t ahead = choff + (size_t)pf;
     const int wrap = pf && ahead >= end, next0 = (int)g + 1 < a->n_groups ? a->goff[g + 1] : s1;
     const int next_n = (int)g + 1 < a->n_groups ? a->goff[g + 2] - next0 : 0;
-    __m512i acc[NB_MAX][2];
-    for (int b = 0; b < BB; b++) acc[b][0] = acc[b][1] = _mm512_setzero_si512();
+    __m512i acc[NB_MAX][4];
+    for (int b = 0; b < BB; b++)
+        for (int t = 0; t < 2 * CH; t++) acc[b][t] = _mm512_setzero_si512();
     for (int i = s0; i < s1; i += 4) {
         const uint8_t *p[4];
         for (int t = 0; t < 4; t++) p[t] = m->codes + (size_t)a->cols[i + t] * stride + choff;
@@ -695,18 +718,22 @@ AI void col_group16(const qm_matrix *m, const qm_acts *a, unsigned g, unsigned j
         else if (wrap)
             for (int t = 0; t < 4 && i - s0 + t < next_n; t++)
                 __builtin_prefetch(m->codes + (size_t)a->cols[next0 + i - s0 + t] * stride + start + (ahead - end), 0, 3);
-        __m256i W[4];
-        load_quad(p, BITS, W);
-        const __m512i lo = join_si(W[0], W[1]), hi = join_si(W[2], W[3]);
+        __m512i Z[4];
+        if (CH == 2) {
+            load_quad64_4(p, Z);
+        } else {
+            __m256i W[4];
+            load_quad(p, BITS, W);
+            Z[0] = join_si(W[0], W[1]), Z[1] = join_si(W[2], W[3]);
+        }
         for (int b = 0; b < BB; b++) {
             int32_t q4;
             memcpy(&q4, a->qx + (size_t)(b0 + b) * qs + i, 4);
             const __m512i xq = _mm512_set1_epi32(q4);
-            acc[b][0] = mac_quad16(acc[b][0], lo, xq, BITS);
-            acc[b][1] = mac_quad16(acc[b][1], hi, xq, BITS);
+            for (int t = 0; t < 2 * CH; t++) acc[b][t] = mac_quad16(acc[b][t], Z[t], xq, BITS);
         }
     }
-    for (int t = 0; t < 2; t++) {
+    for (int t = 0; t < 2 * CH; t++) {
         const chunk_fac cf = chunk_factors(m, row + 16 * t);
         const fac16 F = group_factors16(m, &cf, g, KIND);
         for (int b = 0; b < BB; b++) {
@@ -770,16 +797,29 @@ AI void kernel_col16(const qm_matrix *m, const qm_acts *a, int row0, int row1, i
     for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * R);
     for (int g = g0; g < g1; g++) {
         const unsigned j = (unsigned)(g % PER_SB);
-        for (int row = row0; row < row1; row += 32) {
+        for (int row = row0; row < row1;) {
             const size_t at = (size_t)(row - row0);
-            const int pf = (int)(((size_t)(row / 32) * cb) % 64) < cb ? pf0 : 0; /* once per line of a run */
-            for (int b0 = 0; b0 < B; b0 += NB_MAX)
-                switch (B - b0 < NB_MAX ? B - b0 : NB_MAX) {
-                case 1: col_group16(m, a, (unsigned)g, j, row, at, b0, 1, ybuf, &cs, BITS, KIND, b0 ? 0 : pf, end, start); break;
-                case 2: col_group16(m, a, (unsigned)g, j, row, at, b0, 2, ybuf, &cs, BITS, KIND, b0 ? 0 : pf, end, start); break;
-                case 3: col_group16(m, a, (unsigned)g, j, row, at, b0, 3, ybuf, &cs, BITS, KIND, b0 ? 0 : pf, end, start); break;
-                default: col_group16(m, a, (unsigned)g, j, row, at, b0, 4, ybuf, &cs, BITS, KIND, b0 ? 0 : pf, end, start); break;
-                }
+            const int CH = BITS == 4 && row + 64 <= row1 ? 2 : 1; /* 4-bit: two chunks a pass */
+            const int pf = (int)(((size_t)(row / 32) * cb) % 64) < cb * CH ? pf0 : 0; /* once per line of a run */
+#define COL_GROUP(BB_, CH_)                                                                                         \
+    col_group16(m, a, (unsigned)g, j, row, at, b0, BB_, ybuf, &cs, BITS, KIND, CH_, b0 ? 0 : pf, end, start)
+            for (int b0 = 0; b0 < B; b0 += NB_MAX) {
+                const int bb = B - b0 < NB_MAX ? B - b0 : NB_MAX;
+                if (CH == 2) switch (bb) {
+                    case 1: COL_GROUP(1, 2); break;
+                    case 2: COL_GROUP(2, 2); break;
+                    case 3: COL_GROUP(3, 2); break;
+                    default: COL_GROUP(4, 2); break;
+                    }
+                else switch (bb) {
+                    case 1: COL_GROUP(1, 1); break;
+                    case 2: COL_GROUP(2, 1); break;
+                    case 3: COL_GROUP(3, 1); break;
+                    default: COL_GROUP(4, 1); break;
+                    }
+            }
+#undef COL_GROUP
+            row += 32 * CH;
         }
         if (KIND != KIND_PLAIN && j == (unsigned)PER_SB - 1)
             for (int row = row0; row < row1; row += 32) col_superblock16(m, (unsigned)(g / PER_SB), row, (size_t)(row - row0), B, ybuf, &cs, KIND);
