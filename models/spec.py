@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,13 @@ class SpecialTokens:
     add_eos: bool = False
 
 
+def describe_levels(levels: float | Mapping[str, float]) -> str:
+    """A sparsity level ('30%') or a profile's nonzero levels ('ffn_down 60%, attn_output 30%')."""
+    if not isinstance(levels, Mapping):
+        return f"{levels:.0%}"
+    return ", ".join(f"{p} {v:.0%}" for p, v in levels.items() if v > 0) or "0%"
+
+
 @dataclass(frozen=True)
 class SparsitySpec:
     """A model's calibrated activation-sparsity thresholds (`ModelSpec.sparsity`).
@@ -70,9 +78,7 @@ class SparsitySpec:
 
     def describe(self) -> str:
         """'30%', or a profile's nonzero levels ('ffn_down 60%, attn_output 30%')."""
-        if not self.levels:
-            return f"{self.level:.0%}"
-        return ", ".join(f"{p} {v:.0%}" for p, v in self.levels.items() if v > 0) or "0%"
+        return describe_levels(self.levels or self.level)
 
     def at(self, level: float) -> dict[str, tuple[float, ...]]:
         """Thresholds for ``level``: the calibrated ones at the calibrated level (a profile's

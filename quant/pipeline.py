@@ -35,7 +35,7 @@ from gguf import GGUFValueType, Keys, LlamaFileType
 from llmlocal.models import read_gguf_header, spec_from_gguf
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.sizes import format_size
-from llmlocal.models.spec import SparsitySpec
+from llmlocal.models.spec import SparsitySpec, describe_levels
 
 from . import tensor_types
 from .convert import write_gguf_file
@@ -61,7 +61,6 @@ from .sparsity import (
     SparsityRequest,
     check_sparsity,
     default_sparsity,
-    describe_request,
     read_calibration_text,
 )
 from .sparsity_quality import SparsityQuality
@@ -322,7 +321,7 @@ def _calibrate(session: _Session, gguf: Path) -> SparsitySpec:
     request = _request(job, gguf)
     text = session.calib_text if session.calib_text is not None else split_builtin_text()[0]
     name = job.calib_text or BUILTIN_CALIBRATION_TEXT
-    progress = session.progress(f"calibrating {describe_request(request)} activation sparsity", unit="tokens")
+    progress = session.progress(f"calibrating {describe_levels(request)} activation sparsity", unit="tokens")
     try:
         with torch_model(gguf, job.eval_ctx, job.threads) as model:
             return calibrate(model, text, request, ctx=job.eval_ctx, text_name=name, progress=progress)

@@ -119,11 +119,6 @@ def default_sparsity(spec: ModelSpec) -> SparsityRequest:
     return DEFAULT_SPARSITY if default_activations(spec) == "fp32" else dict(DEFAULT_SPARSITY_PROFILE)
 
 
-def describe_request(request: SparsityRequest) -> str:
-    """'30%' or 'ffn_down 60%' (progress lines and messages)."""
-    if not isinstance(request, Mapping):
-        return f"{request:.0%}"
-    return ", ".join(f"{p} {v:.0%}" for p, v in request.items() if v > 0)
 
 
 # ---- text -----------------------------------------------------------------------------------

@@ -185,6 +185,16 @@ static inline size_t qm_fat(const qm_matrix *m, size_t f, size_t nf, int n) {
     return m->interleaved ? ((size_t)(n / 32) * nf + f) * 32 + (size_t)(n % 32) : f * (size_t)m->npad + (size_t)n;
 }
 
+/* A group's slots [first, n) padded to a multiple of 4 (the kernels take four columns at a time):
+ * a pad slot repeats a kept column with qx = 0 in every row. Returns the new end. */
+static inline int qm_pad_slots(int32_t *cols, int8_t *qx, size_t qx_stride, int batch, int first, int n) {
+    for (; (n - first) % 4; n++) {
+        cols[n] = cols[n - 1];
+        for (int b = 0; b < batch; b++) qx[(size_t)b * qx_stride + n] = 0;
+    }
+    return n;
+}
+
 /* fp16 bits -> float, portable. */
 static inline float qm_f16(uint16_t h) {
     const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023;

@@ -879,10 +879,7 @@ int QM_NAME(qm_sparse_prepare)(const float *x, size_t x_stride, int batch, int k
         for (int b = 0; b < batch; b++)
             xs[(size_t)g * batch + b] *= dx[(size_t)b * dx_stride + g * group / QM_QBLOCK];
         kept += n - goff[g];
-        for (; (n - goff[g]) % 4; n++) { /* pad slots: a kept column of the group, times 0 */
-            cols[n] = cols[n - 1];
-            for (int b = 0; b < batch; b++) qx[(size_t)b * qx_stride + n] = 0;
-        }
+        n = qm_pad_slots(cols, qx, qx_stride, batch, goff[g], n);
     }
     goff[n_groups] = n;
     *n_slots = n;
@@ -1206,20 +1203,37 @@ void qm_dequant_avx2(const qm_matrix *m, int j0, int j1, int row0, int row1, flo
 #undef DEQUANT
 }
 
-/* qm_dense_prepare (qmat_scalar.c) eight inputs at a time: the same float operations
- * (vcvtps2dq rounds to nearest even, as lrintf), so every ISA gives the same qx, dx and xs. */
-void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, int group, int8_t *qx,
-                           size_t qx_stride, float *dx, size_t dx_stride, float *xs) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+/* qm_dense_prepare (qmat_scalar.c) eight inputs at a time, and with ZEROING its all-columns
+ * case with a threshold (the values at or below it zeroed, each row's count kept, the columns
+ * some row keeps marked in `any`, a bit per input of each block): the same float operations as
+ * the scalar loops (vcvtps2dq rounds to nearest even, as lrintf), so every ISA gives the same
+ * qx, dx and xs. */
+AI void prepare_rows_avx2(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int8_t *qx,
+                          size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts,
+                          uint32_t *any, const int ZEROING) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), t = _mm256_set1_ps(threshold);
     for (int b = 0; b < batch; b++) {
         const float *xb = x + (size_t)b * x_stride;
         int8_t *qb = qx + (size_t)b * qx_stride;
+        int32_t cnt = 0;
         for (int q = 0; q < k / QM_QBLOCK; q++) {
             const float *p = xb + q * QM_QBLOCK;
             __m256 v[4], mx = _mm256_setzero_ps();
+            uint32_t bits = 0;
             for (int i = 0; i < 4; i++) {
                 v[i] = _mm256_loadu_ps(p + 8 * i);
-                mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+                __m256 a = _mm256_and_ps(v[i], absmask);
+                if (ZEROING) {
+                    const __m256 keep = _mm256_cmp_ps(a, t, _CMP_GT_OQ);
+                    v[i] = _mm256_and_ps(v[i], keep);
+                    a = _mm256_and_ps(a, keep);
+                    bits |= (uint32_t)_mm256_movemask_ps(keep) << (8 * i);
+                }
+                mx = _mm256_max_ps(mx, a);
+            }
+            if (ZEROING) {
+                cnt += __builtin_popcount(bits);
+                any[q] |= bits;
             }
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -1235,6 +1249,7 @@ void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, in
                                                               _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_storeu_si256((__m256i *)(qb + q * QM_QBLOCK), bytes);
         }
+        if (ZEROING && row_counts) row_counts[b] = cnt;
         for (int g = 0; g < k / group; g++) {
             int32_t isum = 0;
             for (int j = g * group; j < (g + 1) * group; j++) isum += qb[j];
@@ -1243,56 +1258,23 @@ void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, in
     }
 }
 
+void qm_dense_prepare_avx2(const float *x, size_t x_stride, int batch, int k, int group, int8_t *qx,
+                           size_t qx_stride, float *dx, size_t dx_stride, float *xs) {
+    prepare_rows_avx2(x, x_stride, batch, k, group, 0.0f, qx, qx_stride, dx, dx_stride, xs, NULL, NULL, 0);
+}
+
 /* qm_prepare's all-columns case with a threshold (the interleaved layout's thresholded calls,
- * and prefill on either layout): qm_dense_prepare_avx2 on the values above the threshold, the
- * others zeroed, with each row's count kept and the columns some row keeps counted; the scalar
- * loop's numbers (it was a fifth of a thresholded prefill's time). */
+ * and prefill on either layout; the scalar loop was a fifth of a thresholded prefill's time). */
 int qm_zeroing_prepare_avx2(const float *x, size_t x_stride, int batch, int k, int group, float threshold, int8_t *qx,
                             size_t qx_stride, float *dx, size_t dx_stride, float *xs, int32_t *row_counts) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), t = _mm256_set1_ps(threshold);
     const int nq = k / QM_QBLOCK;
-    uint32_t *any = calloc((size_t)nq, sizeof(uint32_t)); /* per block: the inputs some row keeps */
+    uint32_t local[1024], *any = nq <= 1024 ? local : malloc((size_t)nq * sizeof(uint32_t)); /* K up to 32,768 */
     if (!any) return -1;
-    for (int b = 0; b < batch; b++) {
-        const float *xb = x + (size_t)b * x_stride;
-        int8_t *qb = qx + (size_t)b * qx_stride;
-        int32_t cnt = 0;
-        for (int q = 0; q < nq; q++) {
-            const float *p = xb + q * QM_QBLOCK;
-            __m256 v[4], mx = _mm256_setzero_ps();
-            uint32_t bits = 0;
-            for (int i = 0; i < 4; i++) {
-                const __m256 a = _mm256_and_ps(_mm256_loadu_ps(p + 8 * i), absmask);
-                const __m256 keep = _mm256_cmp_ps(a, t, _CMP_GT_OQ);
-                v[i] = _mm256_and_ps(_mm256_loadu_ps(p + 8 * i), keep);
-                mx = _mm256_max_ps(mx, _mm256_and_ps(a, keep));
-                bits |= (uint32_t)_mm256_movemask_ps(keep) << (8 * i);
-            }
-            cnt += __builtin_popcount(bits);
-            any[q] |= bits;
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float d = _mm_cvtss_f32(m4) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            dx[(size_t)b * dx_stride + q] = d;
-            const __m256 idv = _mm256_set1_ps(id);
-            __m256i r[4];
-            for (int i = 0; i < 4; i++) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));
-            const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
-            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
-                                                              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(qb + q * QM_QBLOCK), bytes);
-        }
-        if (row_counts) row_counts[b] = cnt;
-        for (int g = 0; g < k / group; g++) {
-            int32_t isum = 0;
-            for (int j = g * group; j < (g + 1) * group; j++) isum += qb[j];
-            xs[(size_t)g * batch + b] = (float)isum * dx[(size_t)b * dx_stride + g * group / QM_QBLOCK];
-        }
-    }
+    memset(any, 0, (size_t)nq * sizeof(uint32_t));
+    prepare_rows_avx2(x, x_stride, batch, k, group, threshold, qx, qx_stride, dx, dx_stride, xs, row_counts, any, 1);
     int kept = 0;
     for (int q = 0; q < nq; q++) kept += __builtin_popcount(any[q]);
-    free(any);
+    if (any != local) free(any);
     return kept;
 }
 #endif

@@ -164,10 +164,7 @@ int qm_prepare(const float *x, size_t x_stride, int batch, int k, int group, flo
         } else {
             kept += n - goff[g];
         }
-        for (; (n - goff[g]) % 4; n++) { /* pad slots: a kept column of the group, times 0 */
-            cols[n] = cols[n - 1];
-            for (int b = 0; b < batch; b++) qx[(size_t)b * qx_stride + n] = 0;
-        }
+        n = qm_pad_slots(cols, qx, qx_stride, batch, goff[g], n);
     }
     goff[n_groups] = n;
     *n_slots = n;
