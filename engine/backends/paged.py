@@ -383,7 +383,7 @@ class PagedBackend:
         for seq in decoding:
             if ks[seq.seq_id] > 0:
                 stream: Stream = seq.extra  # type: ignore[assignment]
-                requests.append(DraftRequest(seq, ks[seq.seq_id], stream.request.sampling, stream.generator, stream.constraint))
+                requests.append(DraftRequest(seq, ks[seq.seq_id], stream.request.sampling, stream.generator, stream.constraint, room[seq.seq_id]))
         if not requests:
             return
         t0 = time.perf_counter()

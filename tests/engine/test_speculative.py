@@ -13,7 +13,8 @@ import pytest
 import torch
 from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams, TokenEvent
 from llmlocal.engine.backends.paged import PagedBackend
-from llmlocal.engine.drafter import DraftRequest, Proposal, lookup
+from llmlocal.engine.drafter import DraftModel, DraftRequest, Proposal, lookup, lookup_match
+from llmlocal.engine.sequence import Sequence
 from llmlocal.engine.sampling import filtered_probs
 from llmlocal.models import resolve
 from llmlocal.models.errors import LLMLocalError
@@ -88,6 +89,39 @@ def test_greedy_with_ngram_lookup_equals_plain_greedy(reference) -> None:
             accepted += greedy(e, prompt).stats.accepted_tokens or 0
         assert accepted > 0  # the counting and repeating prompts quote themselves
         assert_no_leaks(e)
+
+
+def test_a_draft_model_checking_a_lookup_proposes_what_it_would_draft(reference) -> None:
+    """The draft checks a continuation found earlier in the text in one pass: the tokens it
+    proposes are its own greedy drafts, found in fewer passes where the text repeats itself;
+    after a four-token match the continuation is proposed as it is, without a pass."""
+    with engine_with(draft="smollm2-135m") as e:
+        drafter = e.backend.drafter
+        assert isinstance(drafter, DraftModel)
+        greedy_params = SamplingParams(temperature=0)
+
+        def propose(tokens: list[int], lookup_on: bool) -> list[int]:
+            drafter.prompt_lookup = lookup_on
+            seq = Sequence(7, list(tokens))
+            proposal = drafter.propose([DraftRequest(seq, 3, greedy_params, None, room=3)])[0]
+            passes[lookup_on] += drafter.last_passes
+            return proposal.tokens
+
+        passes = {False: 0, True: 0}
+        drafter.quote_ngram = 99  # check every looked-up continuation
+        checked = drafter.checked
+        for prompt, completion in reference.values():
+            text = prompt + completion
+            for end in range(len(prompt) + 1, len(text)):
+                own = propose(text[:end], False)
+                assert propose(text[:end], True) == own, (prompt, end)
+        assert drafter.checked - checked >= 10  # the counting and repeating prompts quote themselves
+        assert passes[True] < passes[False]
+        drafter.quote_ngram = 4
+        text = next(p + c for p, c in reference.values() if lookup_match(p + c, 3)[1] == 4)
+        assert propose(text, True) == lookup_match(text, 3)[0] and drafter.last_passes == 0
+        drafter.release(7)
+        assert drafter.blocks.num_used_blocks == 0
 
 
 class Oracle:
@@ -207,13 +241,22 @@ def chi_square_p_value(observed: torch.Tensor, expected_p: torch.Tensor) -> floa
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 1.0), (0.7, 0.8), (1.0, 0.8)])
-def test_speculative_samples_follow_the_target_distribution(tiny_pair, temperature, top_p) -> None:
+# A prompt that repeats itself: the draft model's proposals come from prompt lookup too. After
+# any first token x but 5 its last two tokens (5, x) occurred before, a match the draft checks;
+# after x = 0 its last four did (6, 1, 5, 0), a match proposed as it is.
+REPEATING = [2, 6, 1, 5, 0, 5, 1, 5, 2, 5, 3, 5, 4, 5, 6, 5, 7, 2, 6, 1, 5]
+
+
+@pytest.mark.parametrize(
+    "temperature,top_p,prompt",
+    [(0.7, 1.0, [1, 5, 2]), (1.0, 1.0, [1, 5, 2]), (0.7, 0.8, [1, 5, 2]), (1.0, 0.8, [1, 5, 2]),
+     (0.7, 1.0, REPEATING), (1.0, 0.8, REPEATING)],
+)
+def test_speculative_samples_follow_the_target_distribution(tiny_pair, temperature, top_p, prompt) -> None:
     target, draft = tiny_pair
     plan = Plan(model=str(target), backend="paged", dtype="fp32", n_ctx=64, draft=str(draft), draft_k=2, max_batch=16)
     backend = PagedBackend.load(resolve(str(target)), plan)
     try:
-        prompt = [1, 5, 2]
         # top_k 0 and min_p 0: only temperature and top-p shape the distribution
         base = SamplingParams(temperature=temperature, top_p=top_p, top_k=0, min_p=0.0, max_tokens=3, n=64)
         counts = torch.zeros(VOCAB, VOCAB)
@@ -242,6 +285,8 @@ def test_speculative_samples_follow_the_target_distribution(tiny_pair, temperatu
             t.join(timeout=600)
         assert counts.sum() == 48 * 64
         assert drafted > 0 and 0 < accepted < drafted  # both branches of the rule ran
+        if prompt == REPEATING:  # (top-p 0.8 may filter out x = 0)
+            assert backend.drafter.checked > 0 and (backend.drafter.quoted > 0 or top_p < 1.0)
         expected = exact_pair_distribution(backend, prompt, base)
         assert chi_square_p_value(counts, expected) > 0.001
         assert backend.blocks.num_used_blocks == 0
