@@ -6,13 +6,12 @@
   their common prefix (dropping the K/V of drafts the target rejected: no copies) and
   appending what the target added; then the draft decodes k tokens, batched over sequences.
   Where the text already holds a likely continuation (its last tokens occurred before, as
-  when a reply quotes, rewrites or summarises its prompt), the draft does less: after a long
-  match the continuation is proposed as it is (a point-mass proposal, as n-gram lookup's);
-  after a short one the draft checks it in one pass instead of drafting token by token,
-  keeping the looked-up tokens it would itself have drawn (`speculative.verify`'s rule with
-  the lookup as a point-mass proposal) and drawing its own token after them. Such a proposal
-  is distributed exactly as the draft's own, so the target's verification stays exact, and
-  costs one pass for up to k + 1 tokens where the lookup is right.
+  when a reply quotes, rewrites or summarises its prompt), the draft checks that continuation
+  in one pass instead of drafting token by token: it keeps the looked-up tokens it would
+  itself have drawn (`speculative.verify`'s rule with the lookup as a point-mass proposal)
+  and draws its own token after them. The proposal is distributed exactly as the draft's own
+  (the target's verification stays exact, and the acceptance the controller measures is the
+  draft's), and costs one pass for up to k + 1 tokens where the lookup is right.
 * `NgramDrafter` (prompt lookup) proposes the continuation of the latest earlier occurrence
   of the sequence's last n tokens: free, and good when the reply quotes its input.
 """
@@ -35,14 +34,14 @@ from .sequence import Sequence
 from .types import SamplingParams
 
 PREFILL_CHUNK = 512  # draft prompt tokens per forward pass when a mirror catches up
-# Prompt lookup beside a draft model (measured on Qwen2.5-Coder 1.5B drafted by 0.5B, greedy,
-# k = 3): what followed an earlier occurrence of the last QUOTE_NGRAM tokens is proposed as it
-# is; after a shorter match of at least CHECK_NGRAM tokens the draft checks it. Trusting
-# two- or three-token matches lost speed on code, where they are often wrong and the draft
-# is right (code 1.63 -> 1.58x, an explanation 1.26 -> 1.21x); checking them gained on every
-# prompt (a summary 1.32 -> 1.77x), and trusting four-token matches more (1.89x).
-QUOTE_NGRAM = 4
-CHECK_NGRAM = 2
+# Prompt lookup beside a draft model: a continuation after a match of 2 to 4 tokens is checked
+# by the draft, never proposed as it is. Measured on Qwen2.5-Coder 1.5B drafted by the 0.5B
+# (greedy, adaptive k, 64 tokens): proposing lookups as they are lost on code, where short
+# matches are often wrong and the draft is right (1.66 -> 1.52x the target alone), and even
+# four-token matches were rejected whole often enough in a summary (1.27 -> 1.29x); checking
+# them gained where the reply quotes its prompt (summary 1.27 -> 1.42x, rewrite 1.36 -> 1.65x)
+# and kept code as it was (1.66 -> 1.73x, 1.61 -> 1.63x).
+LOOKUP_NGRAM = (2, 4)  # shortest and longest match looked up
 
 
 @dataclass
@@ -92,14 +91,9 @@ class NgramDrafter:
 def lookup(tokens: list[int], k: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix n-gram
     (n from max_ngram down to min_ngram); [] when the suffix never occurred before."""
-    return lookup_match(tokens, k, max_ngram, min_ngram)[0]
-
-
-def lookup_match(tokens: list[int], k: int, max_ngram: int = 4, min_ngram: int = 2) -> tuple[list[int], int]:
-    """`lookup`'s continuation and the length n of the suffix it matched (0: none)."""
     n_tokens = len(tokens)
     if k < 1 or n_tokens <= min_ngram:
-        return [], 0
+        return []
     last = tokens[-1]
     for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
         suffix = tokens[n_tokens - n :]
@@ -107,15 +101,14 @@ def lookup_match(tokens: list[int], k: int, max_ngram: int = 4, min_ngram: int =
         # the suffix itself
         for j in range(n_tokens - 2, n - 2, -1):
             if tokens[j] == last and tokens[j - n + 1 : j + 1] == suffix:
-                return tokens[j + 1 : j + 1 + k], n
-    return [], 0
+                return tokens[j + 1 : j + 1 + k]
+    return []
 
 
 class DraftModel:
     """A draft model with its own KV pool; one mirror sequence per target sequence.
-    ``prompt_lookup``: propose or check a continuation found earlier in the text where there
-    is one, instead of drafting token by token (see the module's docstring); a continuation
-    after a match of ``quote_ngram`` tokens is proposed without the draft's check."""
+    ``prompt_lookup``: check a continuation found earlier in the text where there is one,
+    instead of drafting it token by token (see the module's docstring)."""
 
     name = "model"
 
@@ -128,8 +121,7 @@ class DraftModel:
         self.seconds = 0.0
         self.last_passes = 0  # forward passes and tokens of the last `propose`
         self.last_tokens = 0
-        self.quote_ngram = QUOTE_NGRAM
-        self.quoted = self.checked = 0  # proposals looked up: proposed as they are, checked by the draft
+        self.checked = 0  # proposals that checked a looked-up continuation
 
     def release(self, seq_id: int) -> None:
         mirror = self._mirrors.pop(seq_id, None)
@@ -155,17 +147,8 @@ class DraftModel:
 
     def _draft(self, requests: list[DraftRequest], tokens: list[list[int]], advanced: list[int]) -> list[Proposal]:
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        guesses: list[list[int]] = [[] for _ in requests]  # continuations looked up, for the draft to check
-        for i, r in enumerate(requests):
-            if self.prompt_lookup and r.constraint is None and r.k > 0:  # a grammar's drafts follow it instead
-                found, n = lookup_match(r.seq.token_ids, r.k, QUOTE_NGRAM, CHECK_NGRAM)
-                if n >= self.quote_ngram:
-                    tokens[i] = found  # a quoted span: proposed as it is, without the draft
-                    self.quoted += 1
-                elif found:
-                    guesses[i] = found
-                    self.checked += 1
-        active = [i for i, r in enumerate(requests) if r.k > 0 and not tokens[i] and self._sync(r.seq, guesses[i])]
+        guesses = [self._guess(r) for r in requests]  # continuations looked up, for the draft to check
+        active = [i for i, r in enumerate(requests) if r.k > 0 and self._sync(r.seq, guesses[i])]
         self.last_passes = self.last_tokens = 0
         while active:
             items = []
@@ -216,6 +199,15 @@ class DraftModel:
                     still.append(i)
             active = still
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def _guess(self, r: DraftRequest) -> list[int]:
+        """A continuation of ``r``'s text found earlier in it, for the draft to check; none
+        where a grammar constrains the drafts (the draft follows it instead)."""
+        if not self.prompt_lookup or r.constraint is not None:
+            return []
+        guess = lookup(r.seq.token_ids, r.k, LOOKUP_NGRAM[1], LOOKUP_NGRAM[0])
+        self.checked += bool(guess)
+        return guess
 
     def _check(self, r: DraftRequest, m: Sequence, rows: torch.Tensor, guess: list[int]) -> tuple[list[int], list[torch.Tensor]]:
         """The draft's own next tokens from one pass over a looked-up ``guess`` (``rows``: the
