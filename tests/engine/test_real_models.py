@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams, TokenEvent
 from llmlocal.engine.backends.llamacpp import open_llama
+from llmlocal.engine.bench_spec import SUMMARISE
 
 DIR = Path(os.environ.get("LLMLOCAL_DEV_MODELS", Path.home() / ".cache" / "llmlocal-dev"))
 Q05 = DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -87,14 +88,18 @@ def test_generated_code_runs(paged15: Engine, prompt: str, check: str) -> None:
     exec(check, scope)  # noqa: S102
 
 
-def test_draft_pair_gives_the_targets_greedy_tokens() -> None:
-    """The 0.5B drafting for the 1.5B: the same greedy tokens as the 1.5B alone."""
-    prompt = "Write a Python function that merges two sorted lists."
+@pytest.mark.parametrize("prompt", ["Write a Python function that merges two sorted lists.", SUMMARISE])
+def test_draft_pair_gives_the_targets_greedy_tokens(prompt: str) -> None:
+    """The 0.5B drafting for the 1.5B: the same greedy tokens as the 1.5B alone; on a summary
+    of a pasted text the draft also checks continuations looked up in the text."""
     with Engine.load(Plan(model=str(Q15), backend="paged", n_ctx=1024)) as e:
-        alone, _ = generate(e, prompt, 64)
+        alone, _ = generate(e, prompt, 96)
     with Engine.load(Plan(model=str(Q15), backend="paged", n_ctx=1024, draft=str(Q05), draft_k=3)) as e:
-        drafted, _ = generate(e, prompt, 64)
+        drafted, _ = generate(e, prompt, 96)
+        checked = e.backend.drafter.checked
     assert drafted == alone
+    if prompt == SUMMARISE:
+        assert checked > 0
 
 
 @pytest.fixture(scope="module")
