@@ -91,6 +91,21 @@ def test_greedy_with_ngram_lookup_equals_plain_greedy(reference) -> None:
         assert_no_leaks(e)
 
 
+def test_concurrent_greedy_requests_with_a_draft_model_equal_plain_greedy(reference) -> None:
+    """Sequences drafted together (some checking looked-up continuations, some drafting token
+    by token in the same passes) each get their plain greedy tokens."""
+    results: dict[str, list[int]] = {}
+    with engine_with(draft="smollm2-135m", draft_k=3) as e:
+        threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, token_ids(e, p))) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert e.backend.drafter.checked > 0
+        assert_no_leaks(e)
+    assert results == {p: expected for p, (_, expected) in reference.items()}
+
+
 def test_a_draft_model_checking_a_lookup_proposes_what_it_would_draft(reference) -> None:
     """The draft checks a continuation found earlier in the text in one pass: the tokens it
     proposes are its own greedy drafts, found in fewer passes where the text repeats itself."""
