@@ -183,13 +183,8 @@ class DraftModel:
                         mask_logits(logits[row], r.constraint.allowed())
                         if not bool(torch.isfinite(logits[row]).any()):
                             continue  # the grammar allows no token the draft's head has (`DraftHead`): stop here
-                    token, q = _draw(logits[row], r.params, m.token_ids, r.generator)
-                    new, qs = [token], [q] if q is not None else []
-                    ends = r.constraint is not None and r.constraint.ends(token)
-                    if r.constraint is not None and not ends:
-                        r.constraint.advance(token)
-                        advanced[i] += 1
-                    m.append_token(token)
+                    new, qs, ends = self._next(r, m, logits[row])
+                    advanced[i] += r.constraint is not None and not ends
                 tokens[i].extend(new)
                 probs[i].extend(qs)
                 if not ends and len(tokens[i]) < r.k and self.blocks.can_append(m, 1):
@@ -199,6 +194,18 @@ class DraftModel:
                     still.append(i)
             active = still
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    @staticmethod
+    def _next(r: DraftRequest, m: Sequence, row: torch.Tensor) -> tuple[list[int], list[torch.Tensor], bool]:
+        """The draft's next token from its logits ``row``, appended to the mirror, with the
+        distribution it was drawn from (sampling) and whether it ends ``r``'s grammar; the
+        grammar is advanced past it otherwise."""
+        token, q = _draw(row, r.params, m.token_ids, r.generator)
+        ends = r.constraint is not None and r.constraint.ends(token)
+        if r.constraint is not None and not ends:
+            r.constraint.advance(token)
+        m.append_token(token)
+        return [token], [q] if q is not None else [], ends
 
     def _guess(self, r: DraftRequest) -> list[int]:
         """A continuation of ``r``'s text found earlier in it, for the draft to check; none
