@@ -191,6 +191,30 @@ def test_ngram_lookup_proposes_the_latest_continuation() -> None:
     assert lookup([1, 2, 1, 2], 5) == [1, 2]  # the continuation runs up to the end
 
 
+def test_no_drafts_while_requests_wait_to_start(reference) -> None:
+    """Requests admitted a step at a time (a small token budget): while some wait to start, the
+    ones running do not draft (the next steps are wider, and a draft's catch-up would be wasted);
+    once all run, they do."""
+    sequences = [p + c for p, c in reference.values()]
+    seen: list[tuple[int, int]] = []  # (waiting, running) at each proposal
+
+    class Recording(Oracle):
+        def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+            seen.append((len(e.backend.scheduler.waiting), len(e.backend.scheduler.running)))
+            return super().propose(requests)
+
+    results: dict[str, list[int]] = {}
+    with engine_with(drafter=Recording(sequences, resolve(None).spec.vocab_size), draft_k=4, max_batch_tokens=40) as e:
+        threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, token_ids(e, p))) for p in PROMPTS * 2]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert_no_leaks(e)
+    assert results == {p: expected for p, (_, expected) in reference.items()}
+    assert seen and all(waiting == 0 or running >= TARGET.max_batch for waiting, running in seen)
+
+
 # ---- the sampled distribution -------------------------------------------------------------
 
 VOCAB = 8
