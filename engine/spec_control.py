@@ -19,8 +19,12 @@ batch (where the target's pass is no longer cheap per extra token) drafts less o
 
 Acceptance is tracked per sequence as decayed counts of kept and rejected tokens; a new
 sequence starts from the acceptance pooled over the sequences before it (one each of kept
-and rejected before any), and the counts also decay on steps without drafting, so a sequence
-that stopped drafting drifts back to that prior and is tried again later.
+and rejected before any), but once there are verdicts, never below FIRST_TRY: requests differ
+(a sampled summary kept 0.58 of a draft's tokens, sampled code 0.95), and a pooled rate too
+low to draft would keep every later request from measuring its own, for good, since only
+drafting updates it. The
+counts also decay on steps without drafting, so a sequence that stopped drafting drifts back
+to the pooled rate and is tried again later if that pays.
 
 Priors alone cannot tell whether a draft model pays on a CPU: a checked token costs half a
 step where the step is bound by arithmetic (Zen 3: the 0.5B drafting for the 1.5B does not
@@ -37,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 DECAY = 0.9  # weight of the past in the acceptance counts, per step
+FIRST_TRY = 0.8  # a new sequence's prior acceptance at least: enough to draft where drafts are cheap
 PROBE_KS = (1, 2, 3, 4, 2, 3)  # draft lengths of the probing steps: several, for the slope
 
 
@@ -122,6 +127,7 @@ class DraftLength:
         self._anchored = False  # the priors scaled to the first measured step
         self._acc: dict[int, _Acceptance] = {}
         self._pooled = _Acceptance()  # every sequence's verdicts, decayed: a new sequence's prior
+        self._verdicts = False  # whether any drafts were checked yet
         self._probe: list[int] = []  # draft lengths still to try in the probe
         self._free = draft_ratio <= 0.0  # a drafter without passes (n-gram lookup): never probed
         self._probed = self._free
@@ -129,7 +135,7 @@ class DraftLength:
     def _counts(self, seq_id: int) -> _Acceptance:
         acc = self._acc.get(seq_id)
         if acc is None:
-            p = self._pooled.rate
+            p = max(self._pooled.rate, FIRST_TRY) if self._verdicts else self._pooled.rate
             acc = self._acc[seq_id] = _Acceptance(kept=2.0 * p, rejected=2.0 * (1.0 - p))
         return acc
 
@@ -168,6 +174,7 @@ class DraftLength:
         self._acc.pop(seq_id, None)
 
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
+        self._verdicts = True
         for acc in (self._counts(seq_id), self._pooled):
             acc.kept = acc.kept * DECAY + accepted
             acc.rejected = acc.rejected * DECAY + (1 if accepted < drafted else 0)
