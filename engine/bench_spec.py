@@ -4,9 +4,11 @@ Target: the model at full precision (fp32 weights dequantized from the GGUF), dr
 same file as INT4 weight-only, on a story prompt; or, with ``--draft M``, the model as it runs
 for a user (its GGUF types in the native kernels on a CPU) drafted by M, on a coding prompt and
 (batch 1) on the summarising one. And n-gram prompt lookup on a "summarise this pasted text"
-prompt. Greedy throughout, so every run produces the same tokens as the target
-alone and the speedups compare equal work. Batch 1 (one request) and batch 8 (eight
-concurrent requests, aggregate tokens per second). The three engines take turns (``--rounds``).
+prompt. Greedy by default, so every run produces the same tokens as the target alone and the
+speedups compare equal work; with a temperature, sampled as a chat samples (llmlocal's default
+top-k, top-p and min-p, seeded), where runs differ in their tokens and the speedups compare
+decode speeds. Batch 1 (one request) and batch 8 (eight concurrent requests, aggregate tokens
+per second). The three engines take turns (``--rounds``).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ SUMMARISE = f"Summarise this text in a few sentences, keeping its key facts:\n\n
 CODE = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
 
 
-def _generate(engine: Engine, prompt: str, max_tokens: int) -> DoneEvent:
+def _generate(engine: Engine, prompt: str, params: SamplingParams) -> DoneEvent:
     done = None
-    request = Request.chat([{"role": "user", "content": prompt}], SamplingParams(temperature=0, max_tokens=max_tokens))
+    request = Request.chat([{"role": "user", "content": prompt}], params)
     for event in engine.generate(request):
         if isinstance(event, DoneEvent):
             done = event
@@ -45,12 +47,12 @@ def _generate(engine: Engine, prompt: str, max_tokens: int) -> DoneEvent:
     return done
 
 
-def _serve(engine: Engine, prompts: list[str], max_tokens: int) -> dict[str, float]:
+def _serve(engine: Engine, prompts: list[str], params: SamplingParams) -> dict[str, float]:
     """Run ``prompts`` concurrently; aggregate decode figures."""
     results: list[DoneEvent | None] = [None] * len(prompts)
 
     def one(i: int) -> None:
-        results[i] = _generate(engine, prompts[i], max_tokens)
+        results[i] = _generate(engine, prompts[i], params)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()
@@ -78,7 +80,8 @@ def _serve(engine: Engine, prompts: list[str], max_tokens: int) -> dict[str, flo
 
 
 def bench_spec(
-    model: str | None, draft: str | None = None, max_tokens: int = 128, batch: int = 8, rounds: int = 1
+    model: str | None, draft: str | None = None, max_tokens: int = 128, batch: int = 8, rounds: int = 1,
+    temperature: float = 0.0,
 ) -> dict[str, Any]:
     """The three engines (target alone, with the draft model, with n-gram lookup) are loaded
     together and take turns for ``rounds`` rounds, each round in a rotated order, so that a
@@ -97,23 +100,24 @@ def bench_spec(
     many = {"plain": [f"{plain} ({i})" for i in range(batch)], "ngram": [f"{SUMMARISE}\n({i})" for i in range(batch)]}
     plans = {"base": target, "draft": target.replace(draft=draft), "ngram": target.replace(draft="ngram")}
     labels = list(plans)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0 if temperature else None)
     per_round: list[dict[str, dict[str, dict[str, float]]]] = []
     engines: dict[str, Engine] = {}
     try:
         for label, plan in plans.items():
             engines[label] = Engine.load(plan)
-            _generate(engines[label], "Hello", 4)  # warm up
+            _generate(engines[label], "Hello", SamplingParams(temperature=0, max_tokens=4))  # warm up
         for r in range(rounds):
             figures: dict[str, dict[str, dict[str, float]]] = {}
             for label in labels[r % len(labels):] + labels[: r % len(labels)]:
                 engine = engines[label]
                 kind = "ngram" if label == "ngram" else "plain"
-                runs = {"batch1": _serve(engine, single[kind], max_tokens), f"batch{batch}": _serve(engine, many[kind], max_tokens)}
+                runs = {"batch1": _serve(engine, single[kind], params), f"batch{batch}": _serve(engine, many[kind], params)}
                 if label == "base":  # the plain target on the n-gram prompts too
-                    runs["ngram_batch1"] = _serve(engine, single["ngram"], max_tokens)
-                    runs[f"ngram_batch{batch}"] = _serve(engine, many["ngram"], max_tokens)
+                    runs["ngram_batch1"] = _serve(engine, single["ngram"], params)
+                    runs[f"ngram_batch{batch}"] = _serve(engine, many["ngram"], params)
                 if label == "draft" and separate:  # and a draft model on the summarising prompt
-                    runs["summarise_batch1"] = _serve(engine, single["ngram"], max_tokens)
+                    runs["summarise_batch1"] = _serve(engine, single["ngram"], params)
                 figures[label] = runs
             per_round.append(figures)
     finally:
@@ -152,6 +156,7 @@ def bench_spec(
         "model": model or "smollm2-135m",
         "draft": draft,
         "rounds": rounds,
+        "temperature": temperature,
         **median_row("batch1"),
         f"batch{batch}": median_row(f"batch{batch}"),
     }

@@ -49,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "draft, with n-gram lookup; grammar: constrained and free) take turns (default: 3, spec 1)")
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="spec: sample at temperature T with the chat's top-k, top-p and min-p (default: 0, greedy)")
     p.add_argument("--sparsity", type=float, default=None, metavar="S",
                    help="sparse: activation sparsity to run at (default: the model's calibrated level; "
                         "0.5 to calibrate a model that has none)")
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         from llmlocal.engine.bench_spec import bench_spec
 
-        result = bench_spec(args.model, args.draft, max_tokens=args.max_tokens, rounds=args.rounds or 1)
+        result = bench_spec(args.model, args.draft, max_tokens=args.max_tokens, rounds=args.rounds or 1,
+                            temperature=args.temperature)
     if args.json:
         print(json.dumps(result))
     else:

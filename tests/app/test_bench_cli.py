@@ -29,6 +29,16 @@ def test_rounds_below_one_is_refused_for_decode_and_spec() -> None:
         assert "Traceback" not in result.stderr and "--rounds must be 1 or more" in result.stderr
 
 
+def test_a_negative_temperature_is_refused_for_spec() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "llmlocal.app", "bench", "spec", "--temperature", "-1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "temperature must be >= 0" in result.stderr
+
+
 def test_render_prints_per_round_lists() -> None:
     spec = {"scenario": "spec", "speedup": 1.09, "speedup_per_round": [0.98, 1.206], "batch8": {"speedup_per_round": [1.5]}}
     lines = render(spec).splitlines()
