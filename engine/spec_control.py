@@ -22,9 +22,8 @@ sequence starts from the acceptance pooled over the sequences before it (one eac
 and rejected before any), but once there are verdicts, never below FIRST_TRY: requests differ
 (a sampled summary kept 0.58 of a draft's tokens, sampled code 0.95), and a pooled rate too
 low to draft would keep every later request from measuring its own, for good, since only
-drafting updates it. The
-counts also decay on steps without drafting, so a sequence that stopped drafting drifts back
-to the pooled rate and is tried again later if that pays.
+drafting updates it. The counts also decay on steps without drafting, so a sequence that
+stopped drafting drifts back to the pooled rate and is tried again later if that pays.
 
 Priors alone cannot tell whether a draft model pays on a CPU: a checked token costs half a
 step where the step is bound by arithmetic (Zen 3: the 0.5B drafting for the 1.5B does not
