@@ -19,7 +19,7 @@ from llmlocal.models.errors import LLMLocalError
 
 from .options import fill_from_config
 
-COMMANDS = ("chat", "run", "bench", "quantize", "models", "serve", "plan", "config", "doctor", "completion", "chats")
+COMMANDS = ("chat", "run", "bench", "quantize", "models", "serve", "plan", "config", "doctor", "completion", "chats", "cache")
 
 
 class Parser(argparse.ArgumentParser):

@@ -59,6 +59,16 @@ class Key:
     env: str | None = None  # the environment variable that overrides the file
 
 
+_HOST = re.compile(r"[A-Za-z0-9_.-]+|\[?[0-9A-Fa-f:.]+\]?")
+_ORIGIN = re.compile(r"\*|https?://[^/\s,]+")
+
+
+def _listed(value: str, item: re.Pattern[str]) -> bool:
+    """Whether ``value`` is one or more comma-separated items, each matching ``item``."""
+    parts = [p.strip() for p in value.split(",")]
+    return all(item.fullmatch(p) for p in parts)
+
+
 KEYS: dict[str, Key] = {
     k.name: k
     for k in (
@@ -80,8 +90,30 @@ KEYS: dict[str, Key] = {
             lambda v: v.expanduser().is_absolute(), env="LLMLOCAL_MODELS_DIR"),
         Key("data_dir", Path, "an absolute path", "$XDG_DATA_HOME/llmlocal", "~/llmlocal-data",
             lambda v: v.expanduser().is_absolute(), env="LLMLOCAL_DATA_DIR"),
+        # `serve`: who may call it (see `serve --help`); several values are separated by commas
+        Key("allow_host", str, "host names or addresses separated by commas, without ports", "none: localhost only",
+            "mybox.lan", lambda v: _listed(v, _HOST)),
+        Key("cors_origin", str, "origins like http://localhost:3000 separated by commas, or *", "none: local pages only",
+            "https://app.example.com", lambda v: _listed(v, _ORIGIN)),
+        Key("max_connections", int, "a whole number, at least 1", "64", "64", lambda v: v >= 1),
+        Key("kv_cache_dir", Path, "an absolute path", "$XDG_CACHE_HOME/llmlocal/kv", "~/.cache/llmlocal/kv",
+            lambda v: v.expanduser().is_absolute(), env="LLMLOCAL_KV_CACHE_DIR"),
+        Key("kv_cache_size", str, "a size such as 4G or 512M, or off", "4G", "8G", lambda v: kv_cache_bytes(v) is not False),
     )
 }
+
+
+def kv_cache_bytes(text: str) -> int | None | bool:
+    """A kv_cache_size setting in bytes; None for "off"; False if it is neither."""
+    if text.strip().lower() in ("off", "0", "none", "no"):
+        return None
+    from llmlocal.engine.hardware import parse_size
+    from llmlocal.models.errors import LLMLocalError
+
+    try:
+        return parse_size(text)
+    except LLMLocalError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -364,6 +396,10 @@ def _builtin_value(name: str) -> Any:
         from .history import data_dir
 
         return data_dir()
+    if name == "kv_cache_dir":
+        from llmlocal.engine.kv_disk import default_dir
+
+        return default_dir()
     if name == "backend":
         return "auto"
     return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmlocal.models.errors import ModelNotFoundError
@@ -73,6 +74,15 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                    help="where the paged backend runs (default: CUDA if present)")
     g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="paged backend: KV cache pool size in blocks of 16 tokens")
+    g.add_argument("--kv-cache-dir", default=FromConfig("kv_cache_dir"), metavar="DIR",
+                   help="paged backend: keep full KV blocks of prompts and replies here, so a reopened "
+                        "chat or a restarted server does not compute them again (default: "
+                        "$XDG_CACHE_HOME/llmlocal/kv)")
+    g.add_argument("--kv-cache-size", default=FromConfig("kv_cache_size"), metavar="SIZE",
+                   help="bytes that directory may hold over all models, least recently used blocks "
+                        "removed first (default 4G; 'off' is --no-kv-cache)")
+    g.add_argument("--no-kv-cache", action="store_true",
+                   help="paged backend: no KV cache on disk (prompts are cached in memory only)")
     g.add_argument("--draft", default=None, metavar="M",
                    help="paged backend: speculative decoding with draft model M (same tokenizer), "
                         "or 'ngram' to draft from the prompt itself")
@@ -190,7 +200,29 @@ def base_plan_from_args(args: argparse.Namespace) -> Plan:
         chat_template=getattr(args, "chat_template", None),
         endpoint=args.endpoint,
         api_key=args.api_key,
+        **kv_cache_from_args(args),
     )
+
+
+def kv_cache_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The Plan's kv_cache_dir and kv_cache_size from --kv-cache-dir, --kv-cache-size and
+    --no-kv-cache (flag > environment > config file > the default directory)."""
+    from llmlocal.models.errors import LLMLocalError
+
+    from .config import kv_cache_bytes
+
+    size_text = getattr(args, "kv_cache_size", None)
+    size = kv_cache_bytes(str(size_text)) if size_text is not None else 4 << 30
+    if size is False:
+        raise LLMLocalError(f"Cannot read the KV cache size '{size_text}': write it like 4G or 512M, or off.")
+    if getattr(args, "no_kv_cache", False) or size is None:
+        return {"kv_cache_dir": None}
+    directory = getattr(args, "kv_cache_dir", None)
+    if directory is None:
+        from llmlocal.engine.kv_disk import default_dir
+
+        directory = default_dir()
+    return {"kv_cache_dir": str(Path(directory).expanduser()), "kv_cache_size": size}
 
 
 def pins_from_args(args: argparse.Namespace) -> Pins:

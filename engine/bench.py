@@ -110,6 +110,10 @@ class _EngineProcess:
             raise RuntimeError(f"the benchmark's engine process ended (exit code {self._proc.exitcode})") from None
 
     def run(self, messages: list[dict[str, str]], max_tokens: int, ignore_eos: bool = False) -> Stats:
+        return self.reply(messages, max_tokens, ignore_eos)[0]
+
+    def reply(self, messages: list[dict[str, str]], max_tokens: int, ignore_eos: bool = False) -> tuple[Stats, str]:
+        """The request's stats and its reply's text."""
         self._conn.send((messages, max_tokens, ignore_eos))
         kind, value = self._recv()
         if kind == "error":
@@ -145,19 +149,23 @@ def _engines_apart(
 def _engine_process(conn: Connection, plan: Plan, warmup: list[dict[str, str]], env: dict[str, str]) -> None:
     """The child of `_EngineProcess`: load, warm up, then answer requests until told to stop."""
     os.environ.update(env)  # before the backend's libraries load
+    t0 = time.perf_counter()
     try:
         engine = Engine.load(plan)
     except Exception as e:  # noqa: BLE001 - handed to the parent, which raises it
         conn.send(("error", e))
         return
+    load_s = time.perf_counter() - t0
     with engine:
-        _run(engine, warmup, 8)  # first-call allocations, caches
+        if warmup:
+            _run(engine, warmup, 8)  # first-call allocations, caches
         kv_value = _kv_value_bytes(engine)
-        conn.send(("ready", {"weight_bytes": _weight_bytes(engine),
+        conn.send(("ready", {"load_s": load_s, "weight_bytes": _weight_bytes(engine),
                              "kv_bytes_per_token": engine.model.spec.kv_bytes_per_token(kv_value)}))
         while (job := conn.recv()) is not None:
             try:
-                conn.send(("stats", _run(engine, *job).stats))
+                done = _run(engine, *job)
+                conn.send(("stats", (done.stats, done.text)))
             except Exception as e:  # noqa: BLE001
                 conn.send(("error", e))
 
@@ -245,18 +253,29 @@ def _batch_requests(n: int, seed: int = 0) -> list[tuple[str, int]]:
     return [(_prompt(rng.randint(10, 200), seed + i), rng.choice([16, 32, 64, 128])) for i in range(n)]
 
 
-def bench_batch(model: str | None, requests: int = 16, n_ctx: int = 2048) -> dict[str, Any]:
+def bench_batch(model: str | None, requests: int = 16, n_ctx: int = 2048, baseline: str = "llamacpp") -> dict[str, Any]:
+    """The paged engine serving N requests at once against ``baseline`` serving them one after
+    another: llama.cpp, or the paged engine itself (batch N against batch 1, where llama.cpp is
+    not installed: the GPU check)."""
+    if baseline not in ("llamacpp", "paged"):
+        raise ValueError(f"baseline must be llamacpp or paged, not {baseline!r}")
     work = _batch_requests(requests)
     total_out = sum(n for _, n in work)
 
-    with Engine.load(Plan(model=model, backend="llamacpp", n_ctx=n_ctx)) as engine:
-        _run(engine, [{"role": "user", "content": "warm up"}], 4)
+    def one_after_another(engine: Engine) -> tuple[int, float]:
         t = time.perf_counter()
         produced = sum(_run(engine, [{"role": "user", "content": p}], n).stats.completion_tokens for p, n in work)
-        llamacpp_s = time.perf_counter() - t
+        return produced, time.perf_counter() - t
+
+    if baseline == "llamacpp":
+        with Engine.load(Plan(model=model, backend="llamacpp", n_ctx=n_ctx)) as engine:
+            _run(engine, [{"role": "user", "content": "warm up"}], 4)
+            produced, sequential_s = one_after_another(engine)
 
     with Engine.load(Plan(model=model, backend="paged", n_ctx=n_ctx, max_batch=max(requests, 1))) as engine:
         _run(engine, [{"role": "user", "content": "warm up"}], 4)
+        if baseline == "paged":
+            produced, sequential_s = one_after_another(engine)
         waste: list[float] = []
         stop = threading.Event()
 
@@ -287,15 +306,15 @@ def bench_batch(model: str | None, requests: int = 16, n_ctx: int = 2048) -> dic
         sampler.join()
 
     paged_tok_s = sum(results) / paged_s
-    llamacpp_tok_s = produced / llamacpp_s
+    sequential_tok_s = produced / sequential_s
     return {
         "scenario": "batch",
         "model": model or "smollm2-135m",
         "requests": requests,
         "output_tokens": total_out,
         "paged_tok_s": paged_tok_s,
-        "llamacpp_tok_s": llamacpp_tok_s,
-        "speedup": paged_tok_s / llamacpp_tok_s,
+        "llamacpp_tok_s" if baseline == "llamacpp" else "paged_batch1_tok_s": sequential_tok_s,
+        "speedup": paged_tok_s / sequential_tok_s,
         "kv_waste": statistics.fmean(waste) if waste else 0.0,
     }
 

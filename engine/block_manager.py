@@ -11,10 +11,14 @@ Rules this file keeps:
   shared, partly filled block first copies it (copy-on-write, ``CopyOnWrite`` tells the runner
   which rows to copy).
 * Prefix caching. A block full of *computed* tokens gets a key that names the whole prefix
-  up to its end: ``key = hash((parent_key, tuple(its token ids)))``, chained from the previous
-  block's key, the first block's parent being ``ROOT_KEY``. A later sequence whose tokens
+  up to its end: ``key = H(parent_key, its token ids)``, chained from the previous block's
+  key, the first block's parent being the manager's root key. A later sequence whose tokens
   produce the same key reuses the block instead of computing it again (two requests with a
   common system prompt, or the next turn of a chat, whose prompt extends the last one).
+* A lower tier (the disk, `kv_disk`) may hold full blocks that this pool does not. A key
+  found there is a hit too: `allocate` gives it a fresh block and lists a `BlockLoad`, which
+  the runner fills before the step computes anything. Blocks keyed by computing them are
+  listed for the lower tier to keep (`take_new_full`); loaded ones are not.
 * Free blocks. A block whose ``ref_count`` drops to 0 is free. If it has a key it stays in
   the cache, reusable by key, until its id is needed for something else.
 * Hand-out order. Free blocks without a key are handed out first, oldest-freed first (a fresh
@@ -26,23 +30,46 @@ Rules this file keeps:
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from .sequence import Sequence, blocks_for
 
-# The parent key of a sequence's first block. Any fixed int works: keys hash tuples of ints,
-# which hash the same in every process (str hashes would not).
+# The default parent key of a sequence's first block. A pool whose keys outlive the process
+# (the disk tier) roots its chains in a key that names the model and its numerics instead.
 ROOT_KEY = 0x6C6C6D6C6F63616C
 
 
 def block_key(parent_key: int, token_ids: list[int]) -> int:
     """The prefix-cache key of a full block whose tokens follow the prefix ``parent_key``.
 
-    NOTE: keys are 64-bit hashes. Two different prefixes share a key with probability about
-    n^2 / 2^64 for n cached blocks; the cache accepts that risk rather than store prefixes.
+    NOTE: keys are 128-bit BLAKE2b digests of (parent key, token ids), the same in every
+    process, so keys on disk stay valid across restarts. A collision between two prefixes
+    (about n^2 / 2^128 for n blocks) is accepted rather than storing whole prefixes.
     """
-    return hash((parent_key, tuple(token_ids)))
+    data = parent_key.to_bytes(16, "little") + array("I", token_ids).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+
+
+def prefix_blocks(token_ids: list[int], block_size: int, root_key: int = ROOT_KEY) -> list[tuple[int, list[int]]]:
+    """(key, tokens) of each full block a sequence of ``token_ids`` may find cached: every
+    block before the one holding the last token (see `BlockManager._find_hits`)."""
+    out: list[tuple[int, list[int]]] = []
+    key = root_key
+    for i in range((len(token_ids) - 1) // block_size):
+        tokens = token_ids[i * block_size : (i + 1) * block_size]
+        key = block_key(key, tokens)
+        out.append((key, tokens))
+    return out
+
+
+class LowerTier(Protocol):
+    """Full blocks kept outside the pool (the disk tier), found by key."""
+
+    def has(self, key: int) -> bool: ...
 
 
 class BlockAllocationError(RuntimeError):
@@ -64,8 +91,26 @@ class CopyOnWrite:
     dst: int
 
 
+@dataclass(frozen=True)
+class BlockLoad:
+    """Fill block ``block_id`` with the lower tier's rows of ``key`` before this step runs."""
+
+    block_id: int
+    key: int
+
+
+@dataclass(frozen=True)
+class FullBlock:
+    """A block that computing just filled, for the lower tier to keep: its key and tokens."""
+
+    block_id: int
+    key: int
+    token_ids: tuple[int, ...]
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 root_key: int = ROOT_KEY, lower: LowerTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -78,6 +123,9 @@ class BlockManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # free, keyed: LRU first
         self._cache: dict[int, int] = {}  # key -> block id
         self._holders: dict[int, Sequence] = {}  # seq_id -> sequence holding blocks
+        self.root_key = root_key
+        self.lower = lower if enable_prefix_caching else None
+        self._new_full: list[FullBlock] = []  # keyed by computing them since the last take
 
     # ---- figures -------------------------------------------------------------------------
     @property
@@ -113,16 +161,17 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether ``allocate(seq)`` would succeed now."""
         self._check_unheld(seq)
-        hits = self._find_hits(seq)
-        new = seq.num_blocks_needed(self.block_size) - len(hits)
-        revived = sum(1 for b in hits if self._blocks[b].ref_count == 0)  # hits taken off the free list
+        in_pool = [b for b, _ in self._find_hits(seq) if b is not None]
+        new = seq.num_blocks_needed(self.block_size) - len(in_pool)  # lower-tier hits need a block too
+        revived = sum(1 for b in in_pool if self._blocks[b].ref_count == 0)  # hits taken off the free list
         return new + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence) -> list[BlockLoad]:
         """Give a sequence without blocks a table for all its current tokens.
 
-        Leading full blocks found in the prefix cache are shared; ``seq.num_computed_tokens``
-        and ``seq.num_cached_tokens`` count the tokens they cover. The rest are fresh blocks.
+        Leading full blocks found in the prefix cache are shared; those found in the lower tier
+        get fresh blocks, returned as the loads to do before the step runs. ``seq.num_computed_tokens``
+        and ``seq.num_cached_tokens`` count the tokens both cover. The rest are fresh blocks.
         """
         # NOTE: hits are revived before fresh blocks are taken, or taking a fresh block could
         # evict a cached free block this very sequence is about to reuse.
@@ -132,18 +181,32 @@ class BlockManager:
                 f"only {self.num_free_blocks} are free; call can_allocate() first"
             )
         hits = self._find_hits(seq)
-        for block_id in hits:
+        for block_id, _ in hits:
+            if block_id is None:
+                continue
             block = self._blocks[block_id]
             if block.ref_count == 0:
                 del self._free_cached[block_id]
             block.ref_count += 1
+        loads: list[BlockLoad] = []
+        table: list[int] = []
+        for block_id, key in hits:
+            if block_id is None:  # in the lower tier: a fresh block, keyed now, filled before the step
+                block_id = self._take_free_block()
+                self._blocks[block_id].key = key
+                self._cache[key] = block_id
+                loads.append(BlockLoad(block_id, key))
+            table.append(block_id)
         fresh = [self._take_free_block() for _ in range(seq.num_blocks_needed(self.block_size) - len(hits))]
-        seq.block_table = hits + fresh
+        seq.block_table = table + fresh
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
         self._holders[seq.seq_id] = seq
+        return loads
 
-    def _find_hits(self, seq: Sequence) -> list[int]:
+    def _find_hits(self, seq: Sequence) -> list[tuple[int | None, int]]:
+        """The leading full blocks found, with their keys: a pool block id, or None where only
+        the lower tier has the block."""
         # NOTE: when every token lies in cached full blocks, the last block is treated as a
         # miss: the runner must compute at least one token to get logits to sample from, and
         # computing it in place would write into a shared block. Recomputing the last block
@@ -151,16 +214,12 @@ class BlockManager:
         # Hence only the blocks before the one holding the last token are looked up.
         if not self.enable_prefix_caching:
             return []
-        size = self.block_size
-        tokens = seq.token_ids
-        hits: list[int] = []
-        key = ROOT_KEY
-        for i in range((len(tokens) - 1) // size):
-            key = block_key(key, tokens[i * size : (i + 1) * size])
+        hits: list[tuple[int | None, int]] = []
+        for key, _ in prefix_blocks(seq.token_ids, self.block_size, self.root_key):
             block_id = self._cache.get(key)
-            if block_id is None:
+            if block_id is None and (self.lower is None or not self.lower.has(key)):
                 break
-            hits.append(block_id)
+            hits.append((block_id, key))
         return hits
 
     # ---- growth --------------------------------------------------------------------------
@@ -238,15 +297,24 @@ class BlockManager:
         while first > 0 and self._blocks[table[first - 1]].key is None:
             first -= 1
         previous = self._blocks[table[first - 1]].key if first > 0 else None
-        parent = ROOT_KEY if previous is None else previous  # the scan stopped at a keyed block
+        parent = self.root_key if previous is None else previous  # the scan stopped at a keyed block
         for i in range(first, num_full):
             block = self._blocks[table[i]]
-            key = block_key(parent, seq.token_ids[i * size : (i + 1) * size])
+            tokens = seq.token_ids[i * size : (i + 1) * size]
+            key = block_key(parent, tokens)
             block.key = key
             # A block computed twice (two sequences with the same prefix admitted before
             # either finished it) keeps its key for chaining; the first one stays the entry.
             self._cache.setdefault(key, block.block_id)
+            if self.lower is not None:
+                self._new_full.append(FullBlock(block.block_id, key, tuple(tokens)))
             parent = key
+
+    def take_new_full(self) -> list[FullBlock]:
+        """The blocks keyed by computing them since the last call (for the lower tier to keep).
+        Take them before the next ``allocate``/``append_slots``, which may reuse freed blocks."""
+        out, self._new_full = self._new_full, []
+        return out
 
     # ---- release -------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:

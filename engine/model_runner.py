@@ -78,6 +78,32 @@ class ModelRunner:
         k, _ = self.kv_caches[0]
         return 2 * len(self.kv_caches) * k.numel() * k.element_size()
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's K and V rows over all layers: what the disk tier keeps of it."""
+        k, _ = self.kv_caches[0]
+        return 2 * len(self.kv_caches) * k[0].numel() * k.element_size()
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """(n, block_nbytes) uint8 on the CPU, a copy: each block's K then V rows, layer by layer."""
+        idx = torch.tensor(block_ids, device=self.device)
+        rows = torch.stack([t.index_select(0, idx) for kv in self.kv_caches for t in kv], dim=1)  # (n, 2L, bs, h, d)
+        return rows.view(torch.uint8).reshape(len(block_ids), -1).cpu()
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], payloads: list[bytearray]) -> None:
+        """Fill blocks with rows laid out as `read_blocks` gives them (one payload a block)."""
+        if not block_ids:
+            return
+        k, _ = self.kv_caches[0]
+        flat = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for p in payloads]).to(self.device)
+        rows = flat.view(k.dtype).view(len(block_ids), 2 * len(self.kv_caches), *k.shape[1:])  # (n, 2L, bs, h, d)
+        idx = torch.tensor(block_ids, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, rows[:, 2 * layer])
+            v.index_copy_(0, idx, rows[:, 2 * layer + 1])
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block src into block dst in every layer."""
         if not copies:

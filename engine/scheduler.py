@@ -3,6 +3,7 @@
 One engine step is a pair of calls around the model runner:
 
     out = scheduler.schedule()              # which tokens of which sequences to compute
+    runner.load_blocks(out.loads)           # blocks found in the lower tier (the disk)
     runner.copy_blocks(out.copies)          # copy-on-write rows, before any K/V is written
     logits = runner.forward(out.items)      # K/V for every item; logits where item.samples
     sampled = {item.seq.seq_id: sample(...) for item in out.items if item.samples}
@@ -35,12 +36,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Collection, Mapping
 
 from llmlocal.models.errors import LLMLocalError
 
-from .block_manager import BlockManager, CopyOnWrite
+from .block_manager import BlockLoad, BlockManager, CopyOnWrite
 from .sequence import Sequence, SequenceStatus, blocks_for
 from .types import FinishReason
 
@@ -82,14 +83,16 @@ class SchedulerOutput:
     """One step. ``items`` lists the one-token items first (decodes), then the longer chunks
     (prefills), each group in scheduling order; the runner may rely on that order.
 
-    Apply ``copies`` before the forward pass writes any K/V. ``preempted`` names the sequences
-    sent back to waiting (their blocks are freed; drop any per-sequence state of theirs).
+    Apply ``loads`` (blocks the lower tier holds, for sequences admitted now) and ``copies``
+    before the forward pass reads or writes any K/V. ``preempted`` names the sequences sent
+    back to waiting (their blocks are freed; drop any per-sequence state of theirs).
     """
 
     items: list[ScheduledSeq]
     copies: list[CopyOnWrite]
     preempted: list[int]
     num_batched_tokens: int
+    loads: list[BlockLoad] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -220,6 +223,7 @@ class Scheduler:
         planned: dict[int, ScheduledSeq] = {}
         copies: dict[int, CopyOnWrite] = {}
         preempted: list[int] = []
+        loads: list[BlockLoad] = []
 
         self.running.sort(key=lambda s: s.arrival)
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1 + s.num_draft_tokens]
@@ -259,7 +263,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
-            self.block_manager.allocate(seq)
+            loads += self.block_manager.allocate(seq)
             del self.waiting[0]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -276,6 +280,7 @@ class Scheduler:
             copies=list(copies.values()),
             preempted=preempted,
             num_batched_tokens=self.max_num_batched_tokens - budget,
+            loads=loads,
         )
 
     def update(

@@ -5,6 +5,8 @@ Scenarios:
   batch    N concurrent requests: paged (batched) vs llamacpp (one after another), KV waste
   prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold
   prefill  TTFT of a long prompt (--prompt-tokens), cold, per backend in --backends
+  resume   the first request after a restart: a reopened chat and a restarted server whose
+           prompt's blocks the KV cache on disk holds (--prompt-tokens of history), vs cold
   spec     speculative decoding (paged): an fp32 target with an INT4 draft of itself on a
            story (or --draft M on a coding and a summarising prompt), and n-gram lookup on
            the summarising prompt; batch 1 and batch 8
@@ -20,6 +22,7 @@ Examples:
     llmlocal bench batch --requests 16 --json
     llmlocal bench prefix --model ~/models/llama-3.2-1b-q4_0.gguf
     llmlocal bench prefill --model ~/models/qwen2.5-1.5b-q4_k_m.gguf --prompt-tokens 1000
+    llmlocal bench resume --model ~/models/qwen2.5-1.5b-q4_k_m.gguf --prompt-tokens 4000
     llmlocal bench spec --json
     llmlocal bench sparse --json --sparsity 0.5
     llmlocal bench grammar --backends paged --rounds 3
@@ -33,19 +36,21 @@ import json
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="measure speed: decode, batch, prefix, prefill, spec, sparse, grammar", description=__doc__,
+        "bench", help="measure speed: decode, batch, prefix, prefill, resume, spec, sparse, grammar", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("scenario", choices=["decode", "batch", "prefix", "prefill", "spec", "sparse", "grammar"])
+    p.add_argument("scenario", choices=["decode", "batch", "prefix", "prefill", "resume", "spec", "sparse", "grammar"])
     p.add_argument("--model", "-m", default=None, metavar="M", help="model name or path (default: smollm2-135m)")
     p.add_argument("--backends", default="paged,llamacpp", metavar="LIST",
-                   help="decode, prefill, grammar: backends to compare, comma-separated (default: paged,llamacpp)")
+                   help="decode, prefill, grammar: backends to compare, comma-separated; batch: paged alone "
+                        "compares batch N with the paged engine one request at a time (default: paged,llamacpp)")
     p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
-    p.add_argument("--prompt-tokens", type=int, default=1000, metavar="N",
-                   help="prefill: the prompt's length in tokens, about (default: 1000)")
+    p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                   help="prefill: the prompt's length in tokens, about (default: 1000); resume: the "
+                        "chat history's and the system prompt's (default: 4000)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="decode, prefill, spec, grammar: rounds in which the backends (spec: the target alone, with the "
+                   help="decode, prefill, resume, spec, grammar: rounds in which the backends (spec: the target alone, with the "
                         "draft, with n-gram lookup; grammar: constrained and free) take turns (default: 3, spec 1)")
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4)")
@@ -72,14 +77,24 @@ def run(args: argparse.Namespace) -> int:
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
         result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens, rounds=args.rounds or 3, threads=args.threads)
     elif args.scenario == "batch":
-        result = bench.bench_batch(args.model, requests=args.requests)
+        # without llamacpp in --backends: the paged engine one request at a time is the baseline
+        baseline = "llamacpp" if "llamacpp" in [b.strip() for b in args.backends.split(",")] else "paged"
+        result = bench.bench_batch(args.model, requests=args.requests, baseline=baseline)
     elif args.scenario == "prefix":
         result = bench.bench_prefix(args.model)
     elif args.scenario == "prefill":
-        if args.prompt_tokens < 16:
-            raise LLMLocalError(f"--prompt-tokens must be at least 16, not {args.prompt_tokens}.")
+        tokens = 1000 if args.prompt_tokens is None else args.prompt_tokens
+        if tokens < 16:
+            raise LLMLocalError(f"--prompt-tokens must be at least 16, not {tokens}.")
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-        result = bench.bench_prefill(args.model, backends, args.prompt_tokens, rounds=args.rounds or 3, threads=args.threads)
+        result = bench.bench_prefill(args.model, backends, tokens, rounds=args.rounds or 3, threads=args.threads)
+    elif args.scenario == "resume":
+        from llmlocal.engine.bench_resume import bench_resume
+
+        tokens = 4000 if args.prompt_tokens is None else args.prompt_tokens
+        if tokens < 64:
+            raise LLMLocalError(f"--prompt-tokens must be at least 64, not {tokens}.")
+        result = bench_resume(args.model, tokens, rounds=args.rounds or 2, threads=args.threads)
     elif args.scenario == "sparse":
         from llmlocal.engine.bench_sparse import bench_sparse
 

@@ -28,9 +28,10 @@ from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
-from ..block_manager import BlockManager
+from ..block_manager import ROOT_KEY, BlockManager, prefix_blocks
 from ..detokenize import TextStream
 from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter
+from ..kv_disk import DiskTier
 from ..model.llama import LlamaModel
 from ..model.fast_decode import FastDecode, native_int4, native_quant
 from ..model.loader import load_gguf, load_hf
@@ -45,7 +46,7 @@ from ..stats import StatsRecorder
 from ..step_masks import StepMasks
 from ..tokenizer import Tokenizer, start_tokenizer
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
-from .paged_setup import check_same_vocabulary, load_draft, pick_device, pick_dtype, pick_kv_dtype
+from .paged_setup import check_same_vocabulary, load_draft, open_disk_tier, pick_device, pick_dtype, pick_kv_dtype
 from .paged_stream import EngineFailure, Stream
 
 # Engines not closed by their owner are closed at interpreter exit, while their threads still
@@ -72,8 +73,10 @@ class PagedBackend:
         max_batched_tokens: int,
         drafter: Drafter | None = None,
         draft_k: int | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.runner = runner
+        self.disk = disk  # the prefix cache's disk tier, if the plan keeps one
         self.drafter = drafter
         ratio = 0.0
         if isinstance(drafter, DraftModel):
@@ -84,7 +87,8 @@ class PagedBackend:
         self.n_ctx = n_ctx
         self.device = str(runner.device)
         self.block_size = runner.block_size
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True,
+                                   root_key=disk.root_key if disk else ROOT_KEY, lower=disk)
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=max_num_seqs,
@@ -138,7 +142,8 @@ class PagedBackend:
             draft_runner = ModelRunner(load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=kv_dtype)
             FastDecode.attach(draft_runner)
             drafter = DraftModel(draft_runner)
-        return cls(runner, vocab, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k)
+        disk = open_disk_tier(model, plan, runner) if cls is PagedBackend else None  # (sparse: thresholds change its KV)
+        return cls(runner, vocab, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k, disk)
 
     @classmethod
     def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
@@ -160,6 +165,8 @@ class PagedBackend:
         self._thread.join(timeout=10)
         if self._masks is not None:
             self._masks.close()
+        if self.disk is not None:
+            self.disk.close()  # what is queued gets written: the next run finds it
         self.tokenizer.close()
 
     # ---- tokens --------------------------------------------------------------------------
@@ -188,6 +195,8 @@ class PagedBackend:
             self.scheduler.check_fits(seq)
         except RequestTooLargeError as e:
             raise LLMLocalError(str(e).replace("give the KV cache more memory", "pass a larger --kv-blocks")) from None
+        if self.disk is not None:  # read here, in the caller's thread: the engine thread keeps stepping
+            self._stage_from_disk(seq)
         self._inbox.put(seq)
         self._wake.set()
         remaining = p.n
@@ -203,6 +212,15 @@ class PagedBackend:
             if remaining:  # the consumer stopped reading: stop the request's sequences
                 cancel.set()
                 self._wake.set()
+
+    def _stage_from_disk(self, seq: Sequence) -> None:
+        """Read the prompt's full blocks that the pool lacks and the disk has (see `DiskTier`)."""
+        assert self.disk is not None
+        blocks = prefix_blocks(seq.token_ids, self.block_size, self.blocks.root_key)
+        first = 0
+        while first < len(blocks) and self.blocks.lookup(blocks[first][0]) is not None:
+            first += 1  # NOTE: a lock-free read of the engine thread's dict: a stale answer costs a read or a recompute
+        self.disk.stage(seq.seq_id, blocks[first:])
 
     def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> Stream:
         p = request.sampling
@@ -236,6 +254,8 @@ class PagedBackend:
                             self.scheduler.abort(seq.seq_id)
                             stream: Stream = seq.extra  # type: ignore[assignment]
                             stream.events.put(EngineFailure(e))
+                            if self.disk is not None:
+                                self.disk.release(seq.seq_id)
                         self._live.clear()
                     continue
             self._wake.wait()
@@ -265,6 +285,9 @@ class PagedBackend:
         if out.is_empty:
             return
         used = self.blocks.num_used_blocks
+        if out.loads:
+            assert self.disk is not None
+            self.runner.write_blocks([b.block_id for b in out.loads], self.disk.take([b.key for b in out.loads]))
         self.runner.copy_blocks([(c.src, c.dst) for c in out.copies])
         items = [
             StepItem(s.seq, s.start, s.num_tokens, s.samples, 1 + s.seq.num_draft_tokens if s.samples else 1)
@@ -314,6 +337,10 @@ class PagedBackend:
                 accepted[sid] = len(tokens) - 1
         for seq in self.scheduler.update(out, sampled, stopped, accepted):
             self._finish(seq, seq.finish_reason or "stop")
+        if self.disk is not None:  # blocks filled by this step, copied out for the writer thread
+            full = self.blocks.take_new_full()
+            if full:
+                self.disk.put(full, self.runner.read_blocks([b.block_id for b in full]).numpy())
         for parent, draws in forks:
             for sib, token, lp in draws:
                 self._start_sibling(parent, sib, token, lp)
@@ -442,6 +469,8 @@ class PagedBackend:
         """Close the stream of a sequence the scheduler has already let go of."""
         stream: Stream = seq.extra  # type: ignore[assignment]
         self._live.pop(seq.seq_id, None)
+        if self.disk is not None:
+            self.disk.release(seq.seq_id)
         spec: dict[str, object] = {}
         if self.drafter is not None:
             self.drafter.release(seq.seq_id)

@@ -3,13 +3,18 @@ model's network, and the check that a draft reads token ids as the target does."
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 from llmlocal.models import ModelSpec, ResolvedModel
 from llmlocal.models.errors import LLMLocalError
 
 from ..model.fast_decode import native_int4, native_quant
+from ..kv_disk import DiskTier, model_fingerprint, namespace
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf, load_hf
+from ..model_runner import ModelRunner
 from ..plan import Plan, paged_kv_dtype
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -65,3 +70,28 @@ def check_same_vocabulary(target: ModelSpec, draft: ModelSpec, name: str) -> Non
             f"{target.vocab_size} tokens, or different token strings): use a draft of the same model "
             "family, or --draft ngram."
         )
+
+
+def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner) -> DiskTier | None:
+    """The prefix cache's disk tier for this model as this engine computes it, if the plan keeps
+    one (`Plan.kv_cache_dir`). Blocks are shared only between engines whose numbers agree: the
+    namespace names the files, backend, device, dtypes, weight path, kernels and RoPE tables."""
+    if not plan.kv_cache_dir:
+        return None
+    net = runner.model
+    k, _ = runner.kv_caches[0]
+    rope = hashlib.blake2b(digest_size=8)
+    for rotary in (net.rotary, net.rotary_local):
+        if rotary is not None:
+            rope.update(rotary.cis[: min(2, rotary.cis.shape[0])].cpu().numpy().tobytes())  # position 1: the frequencies
+    kernels = "none"
+    if runner.device.type == "cpu":
+        from llmlocal.native.sparse_int4 import runtime
+
+        kernels = runtime.isa() if runtime.built() else "none"
+    numerics = (f"paged|{runner.device.type}|{net.dtype}|kv={k.dtype}|weights={plan.weights}|kernels={kernels}"
+                f"|rope={rope.hexdigest()}")
+    ns = namespace(model_fingerprint(model.path), numerics, runner.block_size, tuple(k.shape[1:]) + (len(runner.kv_caches),))
+    about = {"model": model.name, "path": str(model.path), "numerics": numerics}
+    return DiskTier(Path(plan.kv_cache_dir), ns, runner.block_size, runner.block_nbytes,
+                    max_bytes=plan.kv_cache_size, about=about)

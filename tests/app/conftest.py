@@ -1,5 +1,5 @@
-"""Every app test runs with its own, empty settings file: the user's real config is never read
-or written (subprocesses inherit the variable)."""
+"""Every app test runs with its own, empty settings file and KV cache directory: the user's real
+config and cache are never read or written (subprocesses inherit the variables)."""
 
 from __future__ import annotations
 
@@ -12,4 +12,5 @@ import pytest
 def isolated_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path_factory.mktemp("config") / "config.toml"
     monkeypatch.setenv("LLMLOCAL_CONFIG", str(path))
+    monkeypatch.setenv("LLMLOCAL_KV_CACHE_DIR", str(tmp_path_factory.mktemp("kv")))
     return path

@@ -1,0 +1,88 @@
+"""`llmlocal cache [list|clear]`: the KV blocks kept on disk, so prompts are not computed twice.
+
+The paged engine keeps the full KV blocks of every prompt and reply it computes in a cache
+directory (--kv-cache-dir, the config key kv_cache_dir, default $XDG_CACHE_HOME/llmlocal/kv),
+up to a size bound (kv_cache_size, default 4G), least recently used blocks removed first. A
+reopened chat or a restarted server reads the blocks it has seen instead of computing them.
+Blocks are kept per model file and per way of computing them (backend, device, dtypes), so a
+changed model file never reuses them.
+
+Examples:
+
+    llmlocal cache                    # what is kept, per model: blocks, tokens, size, last used
+    llmlocal cache --json
+    llmlocal cache clear              # remove everything
+    llmlocal cache clear qwen2.5      # remove the blocks of the models whose name contains this
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.sizes import format_size
+
+from ..options import FromConfig
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "cache",
+        help="list, size and clear the KV cache kept on disk",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("action", nargs="?", choices=["list", "clear"], default="list", help="list (default) or clear")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="clear: only the models whose name or path contains this")
+    p.add_argument("--kv-cache-dir", default=FromConfig("kv_cache_dir"), metavar="DIR",
+                   help="the cache directory (default: the config's kv_cache_dir, else $XDG_CACHE_HOME/llmlocal/kv)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmlocal.engine.kv_disk import clear, default_dir, describe
+
+    root = Path(args.kv_cache_dir).expanduser() if args.kv_cache_dir else default_dir()
+    spaces = describe(root)
+    if args.action == "clear":
+        if args.model is not None:
+            spaces = [s for s in spaces if args.model.lower() in (s.model + " " + s.path).lower()]
+            if not spaces:
+                raise LLMLocalError(f"No cached blocks of a model matching '{args.model}' in {root}: "
+                                    "`llmlocal cache` lists the models that have some.")
+        files, size = clear(root, spaces)
+        if args.json:
+            print(json.dumps({"directory": str(root), "removed_blocks": files, "removed_bytes": size}))
+        else:
+            print(f"Removed {files} blocks ({format_size(size)}) from {root}.")
+        return 0
+    if args.json:
+        print(json.dumps({"directory": str(root), "bytes": sum(s.bytes for s in spaces),
+                          "models": [s.as_dict() for s in spaces]}, indent=1))
+        return 0
+    if not spaces:
+        print(f"No KV blocks kept in {root} yet: the paged engine adds them as it computes prompts.")
+        return 0
+    rows = [("model", "blocks", "tokens", "size", "last used")]
+    for s in spaces:
+        rows.append((s.model, str(s.blocks), str(s.tokens), format_size(s.bytes), _ago(s.last_used)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    print(f"\n{format_size(sum(s.bytes for s in spaces))} in {root}")
+    return 0
+
+
+def _ago(t: float | None) -> str:
+    if t is None:
+        return "-"
+    seconds = max(0.0, time.time() - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return "just now"
