@@ -12,7 +12,13 @@ helpers both APIs share. The routes live with their API:
     GET  /health
 
 A client that disconnects mid-stream cancels its request. Each request is logged in one line
-(prompt text only with ``log_prompts``); ``cors_origin`` lets one browser origin call the API.
+(prompt text only with ``log_prompts``).
+
+Before any route runs, a request must pass `serve_access`: a Host this server answers (not a
+DNS-rebinding page's domain) and, when it carries an Origin, a local page's or one of
+``cors_origin`` (not another site's). Connections are counted by `serve_connections`: past
+``max_connections`` the longest-idle one is hung up, and a new one is answered 503 only when all
+are busy; a connection idle for ``idle_timeout`` seconds is closed.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol, TextIO
@@ -32,11 +39,14 @@ from typing import Any, Protocol, TextIO
 from llmlocal.models.errors import LLMLocalError
 
 from .engine import ContextOverflowError, Engine
+from .serve_access import Access, refused_host, refused_origin, require_key
+from .serve_connections import Connections
 from .serve_metrics import Metrics
 from .types import DoneEvent, Event, Request, TokenEvent
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+GONE = (ConnectionError, TimeoutError)  # the client hung up, or stopped reading for the idle timeout
 
 
 class APIError(Exception):
@@ -92,29 +102,46 @@ class OpenAIServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a stream still open at shutdown does not hold the process
     allow_reuse_address = True
+    request_queue_size = 128  # a burst of connections waits in the kernel, not in SYN retries
 
     def __init__(
         self, engine: Engine, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-        log: TextIO | None = None, log_prompts: bool = False, cors_origin: str | None = None,
+        log: TextIO | None = None, log_prompts: bool = False, cors_origin: str | Sequence[str] | None = None,
+        allow_hosts: Sequence[str] = (), insecure_no_key: bool = False, max_connections: int = 64,
+        idle_timeout: float = 60.0,
     ) -> None:
+        """``cors_origin``: the browser origins let in besides local pages' ("*": any);
+        ``allow_hosts``: Host names answered besides this machine's; a bind beyond loopback
+        needs ``api_key`` unless ``insecure_no_key``."""
+        require_key(host, api_key, insecure_no_key)
+        if max_connections < 1:
+            raise LLMLocalError(f"--max-connections must be at least 1, got {max_connections}.")
         self.engine = engine
         self.api_key = api_key
         self.log = log  # one line per request, when given
         self.log_prompts = log_prompts
-        self.cors_origin = cors_origin  # the one browser origin allowed ("*": any), or None
         self.metrics = Metrics()
         self.model_name = engine.model.name
         self.created = int(time.time())
+        self.connections = Connections(max_connections)
+        self.idle_timeout = idle_timeout
         self._log_lock = threading.Lock()
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             super().__init__((host, port), Handler)
         except OSError as e:
             raise LLMLocalError(f"Cannot listen on {host}:{port} ({e.strerror}): pick another --port or --host.") from None
+        origins = [cors_origin] if isinstance(cors_origin, str) else list(cors_origin or ())
+        try:
+            self.access = Access.for_bind(self.server_address[0], allow_hosts, origins)
+        except LLMLocalError:
+            self.server_close()
+            raise
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def note(self, line: str) -> None:
         if self.log is not None:
@@ -133,6 +160,36 @@ class OpenAIServer(ThreadingHTTPServer):
         if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, TimeoutError)):
             return
         super().handle_error(request, client_address)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection, if it finds room (`Connections`); else a 503, from here."""
+        if self.connections.admit(request):
+            super().process_request(request, client_address)
+            return
+        self._answer_busy(request, client_address)
+        self.shutdown_request(request)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.connections.release(request)  # before the close (see `Connections.release`)
+        super().shutdown_request(request)
+
+    def _answer_busy(self, sock: socket.socket, client_address: Any) -> None:
+        """503 to a connection that finds every other one busy. The request is not read: the
+        answer is OpenAI's error shape whatever the path."""
+        error = APIError(503, f"All {self.connections.limit} connections of this server are busy: retry shortly, "
+                              "or start it with a higher --max-connections.", "server_busy", kind="server_error")
+        body = json.dumps(error.body()).encode()
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "Retry-After: 1\r\nConnection: close\r\n\r\n")
+        try:
+            sock.settimeout(1.0)  # a few hundred bytes fit any socket's buffer: this never waits long
+            sock.sendall(head.encode() + body)
+            sock.setblocking(False)
+            sock.recv(65536)  # what the client sent: closing over unread bytes would reset, losing the 503
+        except OSError:
+            pass
+        self.metrics.answered("other", 503, [])
+        self.note(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {client_address[0]} - - 503  all {self.connections.limit} connections busy")
 
     def start(self) -> threading.Thread:
         """Serve from a background thread (tests, embedding); `shutdown()` stops it."""
@@ -163,6 +220,10 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass  # the server logs one line of its own per request (_finish)
 
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout  # a socket timeout: waiting for a request, reading or writing one
+        super().setup()
+
     @property
     def engine(self) -> Engine:
         return self.server.engine
@@ -188,6 +249,8 @@ class Handler(BaseHTTPRequestHandler):
         known = path if any(p == path for _, p in routes) else "other"  # /metrics labels: no series per scanned path
         try:
             body = self._read_body()
+            self._check_access(path)
+            self.server.connections.busy(self.request)
             if self.command == "OPTIONS":
                 return self._preflight()
             if path != "/health":  # health checks need no key
@@ -219,6 +282,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _finish(self, path: str, known: str) -> None:
         """Count the request in /metrics and log one line: who, what, how it ended, how long."""
+        self.server.connections.idle(self.request)
         done = sorted(self.done, key=lambda d: d.index)
         self.server.metrics.answered(known, self.status, done)
         parts = [f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.client_address[0]} {self.command} {path} {self.status} "
@@ -251,7 +315,11 @@ class Handler(BaseHTTPRequestHandler):
         if length > MAX_BODY_BYTES:
             self.close_connection = True
             raise APIError(413, f"The request body is over {MAX_BODY_BYTES // 2**20} MB.")
-        raw = self.rfile.read(length) if length else b""
+        try:
+            raw = self.rfile.read(length) if length else b""
+        except TimeoutError:
+            self.close_connection = True
+            raise APIError(408, f"The request body stopped coming for {self.server.idle_timeout:g} s: send it whole.") from None
         if self.command != "POST":
             return None
         try:
@@ -270,19 +338,28 @@ class Handler(BaseHTTPRequestHandler):
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise APIError(401, "Invalid or missing API key: send it as 'Authorization: Bearer KEY'.", "invalid_api_key")
 
-    # ---- CORS ----------------------------------------------------------------------------
+    # ---- who may call: Host, Origin, CORS ------------------------------------------------
+    def _check_access(self, path: str) -> None:
+        """403 for what only a web page sends: a Host that is not this server's (DNS rebinding),
+        an Origin not let in (a cross-site request, simple ones too). It runs before any route,
+        so a refused request starts nothing. /health answers any Host: it tells nothing."""
+        hosts = self.headers.get_all("Host") or []
+        if len(hosts) > 1:
+            raise APIError(400, "The request has several Host headers: send one.")
+        if path != "/health" and hosts and not self.server.access.host_allowed(hosts[0]):
+            raise APIError(403, refused_host(hosts[0]), "host_not_allowed")
+        origin = self.headers.get("Origin")
+        if origin is not None and not self.server.access.origin_allowed(origin):
+            raise APIError(403, refused_origin(origin), "origin_not_allowed")
+
     def _allowed_origin(self) -> str | None:
         """The value of Access-Control-Allow-Origin for this request's Origin, if it is allowed."""
-        origin, allowed = self.headers.get("Origin"), self.server.cors_origin
-        if origin is None or allowed is None or allowed not in ("*", origin):
-            return None
-        return allowed
+        return self.server.access.cors_value(self.headers.get("Origin"))
 
     def _preflight(self) -> None:
-        """A browser asks whether its origin may call: yes (204) only for --cors-origin's."""
-        if self._allowed_origin() is None:
-            origin = self.headers.get("Origin") or "ORIGIN"
-            raise APIError(403, f"Cross-origin requests from {origin} are not allowed: start the server with --cors-origin {origin}.")
+        """A browser asks whether its origin may call: yes (204) for local pages and --cors-origin's."""
+        if self.headers.get("Origin") is None:
+            raise APIError(403, "A CORS preflight names the page asking: send its Origin header.", "origin_not_allowed")
         self._head(204, None, 0, {
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
             "Access-Control-Allow-Headers": self.headers.get("Access-Control-Request-Headers") or "Authorization, Content-Type",
@@ -330,7 +407,7 @@ class Handler(BaseHTTPRequestHandler):
         self._on_gone = lambda: self.engine.cancel(request.id)  # events are then drained unsent
         try:
             self._head(200, reply.content_type, None)
-        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+        except GONE:
             self._lost()
         try:
             for item in reply.opening():
@@ -376,7 +453,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+        except GONE:
             self._lost()
 
     def _lost(self) -> None:
@@ -388,7 +465,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self._head(status, content_type, len(raw))
             self.wfile.write(raw)
-        except (BrokenPipeError, ConnectionResetError):
+        except GONE:
             self.close_connection = True
 
     def _send_json(self, status: int, payload: Any) -> None:
