@@ -15,6 +15,9 @@ Scenarios:
            thresholds is calibrated first (cached)
   grammar  constrained decoding (a nested JSON schema) against the same engine free, equal
            token counts, batch 1 and 8, per backend in --backends
+  kernels  the native kernels' cost curve per GGUF type: a call of 1, 2, 4, 8, 16, 64 rows
+           against one row, on a Qwen2.5-1.5B layer's shapes, one thread (--threads), the
+           kernel this CPU runs (--kernel to pick another); --types to choose types
 
 Examples:
 
@@ -26,6 +29,7 @@ Examples:
     llmlocal bench spec --json
     llmlocal bench sparse --json --sparsity 0.5
     llmlocal bench grammar --backends paged --rounds 3
+    llmlocal bench kernels --types Q4_K,Q6_K --kernel avx2 --json
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ import json
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="measure speed: decode, batch, prefix, prefill, resume, spec, sparse, grammar", description=__doc__,
+        "bench", help="measure speed: decode, batch, prefix, prefill, resume, spec, sparse, grammar, kernels", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("scenario", choices=["decode", "batch", "prefix", "prefill", "resume", "spec", "sparse", "grammar"])
+    p.add_argument("scenario", choices=["decode", "batch", "prefix", "prefill", "resume", "spec", "sparse", "grammar", "kernels"])
     p.add_argument("--model", "-m", default=None, metavar="M", help="model name or path (default: smollm2-135m)")
     p.add_argument("--backends", default="paged,llamacpp", metavar="LIST",
                    help="decode, prefill, grammar: backends to compare, comma-separated; batch: paged alone "
@@ -60,7 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sparse: activation sparsity to run at (default: the model's calibrated level; "
                         "0.5 to calibrate a model that has none)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="decode, prefill, sparse: CPU threads (default: physical cores)")
+                   help="decode, prefill, sparse: CPU threads (default: physical cores); kernels: default 1")
+    p.add_argument("--types", default=None, metavar="LIST",
+                   help="kernels: GGUF types, comma-separated (default: Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q4_1,Q5_0)")
+    p.add_argument("--kernel", default=None, metavar="K",
+                   help="kernels: the variant to run (scalar, avx2, avxvnni, avx512vnni, avx512vnni-amx; "
+                        "default: the one this CPU runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -101,6 +110,24 @@ def run(args: argparse.Namespace) -> int:
         if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
             raise LLMLocalError(f"--sparsity must be in [0, 1), got {args.sparsity}.")
         result = bench_sparse(args.model, args.sparsity, max_tokens=args.max_tokens, threads=args.threads)
+    elif args.scenario == "kernels":
+        from llmlocal.native.sparse_int4 import bench_kernels as bk
+        from llmlocal.native.sparse_int4 import runtime
+
+        if not runtime.built():
+            raise LLMLocalError("The native kernels are not built in this install: reinstall llmlocal with a C compiler.")
+        types = [t.strip().upper() for t in (args.types or ",".join(bk.TYPES)).split(",") if t.strip()]
+        unknown = [t for t in types if t not in bk.TYPES]
+        if unknown:
+            raise LLMLocalError(f"Unknown type {', '.join(unknown)} for --types: choose from {', '.join(bk.TYPES)}.")
+        if args.kernel is not None and args.kernel not in bk.KERNELS:
+            raise LLMLocalError(f"Unknown kernel '{args.kernel}': choose from {', '.join(bk.KERNELS)}.")
+        try:
+            result = bk.bench_kernels(types, kernel=args.kernel, threads=args.threads or 1)
+        except ValueError as e:
+            raise LLMLocalError(f"{e}: leave out --kernel for the one this CPU runs.") from None
+        print(json.dumps(result) if args.json else bk.format_table(result))
+        return 0
     elif args.scenario == "grammar":
         from llmlocal.engine.bench_grammar import bench_grammar
 

@@ -691,6 +691,22 @@ static PyObject *py_set_qmat_amx(PyObject *mod, PyObject *arg) {
     return set_qmat_switch(arg, &g_qamx);
 }
 
+static PyObject *py_mac_peak(PyObject *mod, PyObject *args) {
+    (void)mod;
+    const char *kernel;
+    long long iters;
+    if (!PyArg_ParseTuple(args, "sL", &kernel, &iters)) return NULL;
+    long long macs;
+    Py_BEGIN_ALLOW_THREADS
+    macs = qm_mac_peak(kernel, iters);
+    Py_END_ALLOW_THREADS
+    if (macs < 0) {
+        PyErr_Format(PyExc_ValueError, "no multiply-add sequence for the kernel '%s' on this CPU", kernel);
+        return NULL;
+    }
+    return PyLong_FromLongLong(macs);
+}
+
 static PyObject *py_qmat_kernel(PyObject *mod, PyObject *unused) {
     (void)mod, (void)unused;
     return PyUnicode_FromString(qm_kernel_name(g_qkernel));
@@ -901,6 +917,8 @@ static PyMethodDef module_methods[] = {
     {"pack_interleaved", py_pack_interleaved, METH_VARARGS,
      "pack_interleaved(codes, n, k, bits, group, out): codes (n, k) uint8 into the interleaved QMatrix layout."},
     {"to_f16", (PyCFunction)(void (*)(void))py_to_f16, METH_FASTCALL, "to_f16(x, out): float32 -> fp16 bits."},
+    {"mac_peak", py_mac_peak, METH_VARARGS,
+     "mac_peak(kernel, iters): multiply-adds done by iters rounds of the kernel's inner instructions (bench_kernels)."},
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this ISA (scalar, avx2, avx512); at most best_isa()."},
     {"isa", py_isa, METH_NOARGS, "The ISA whose kernels run."},
     {"qmat_kernel", py_qmat_kernel, METH_NOARGS, "The quantized-matrix kernel variant that runs: scalar, avx2, avxvnni, avx512vnni or avx512vnni-amx."},

@@ -87,6 +87,14 @@ void qm_kernel_amx(const qm_matrix *m, const qm_acts *a, int row0, int row1, int
  * "avxvnni", "avx512vnni" or "avx512vnni-amx". */
 qm_kernel_fn qm_kernel_for(int isa, int vnni, int amx);
 const char *qm_kernel_name(qm_kernel_fn f);
+/* The multiply-adds `iters` rounds of the named kernel's inner instruction sequence make
+ * (bench_kernels.py times them); -1 for a kernel without one or that this CPU lacks. */
+long long qm_mac_peak(const char *kernel, long long iters);
+#ifdef LLMLOCAL_X86_VARIANTS
+long long qm_mac_peak_avx2(long long iters);
+long long qm_mac_peak_avxvnni(long long iters);
+long long qm_mac_peak_avx512vnni(long long iters);
+#endif
 
 /* Thresholds, compacts and quantizes x; returns the columns kept (by any row). Buffers: cols
  * and qx rows k + 4 * n_groups slots, goff n_groups + 1, dx k / 32 per row, xs n_groups * batch,

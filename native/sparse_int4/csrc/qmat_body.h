@@ -1278,3 +1278,39 @@ int qm_zeroing_prepare_avx2(const float *x, size_t x_stride, int batch, int k, i
     return kept;
 }
 #endif
+
+/* bench_kernels.py's peak: the decode passes' multiply-add instruction sequence alone, with
+ * eight independent accumulators in registers (a pass of up to 4 rows of x keeps 8): AVX2
+ * vpmaddubsw + vpaddw (32 multiply-adds), VNNI vpdpbusd (32, or 64 on 512-bit registers).
+ * Returns the multiply-adds done. The empty asm makes x new each round, so nothing is hoisted. */
+long long QM_NAME(qm_mac_peak)(long long iters) {
+#if QM_ZMM
+    __m512i acc[8], w[8], x = _mm512_set1_epi32((int)iters | 0x01010101);
+    for (int v = 0; v < 8; v++) acc[v] = _mm512_setzero_si512(), w[v] = _mm512_set1_epi8((char)(v + 1));
+    for (long long i = 0; i < iters; i++) {
+        __asm__ volatile("" : "+v"(x));
+        for (int v = 0; v < 8; v++) acc[v] = _mm512_dpbusd_epi32(acc[v], w[v], x);
+    }
+    __m512i s = acc[0];
+    for (int v = 1; v < 8; v++) s = _mm512_add_epi32(s, acc[v]);
+    volatile int sink = _mm512_reduce_add_epi32(s);
+    (void)sink;
+    return iters * 8 * 64;
+#else
+    __m256i acc[8], w[8], x = _mm256_set1_epi32((int)iters | 0x01010101);
+    for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_si256(), w[v] = _mm256_set1_epi8((char)(v + 1));
+    for (long long i = 0; i < iters; i++) {
+        __asm__ volatile("" : "+x"(x));
+#if QM_VNNI
+        for (int v = 0; v < 8; v++) acc[v] = QM_DPBUSD(acc[v], w[v], x);
+#else
+        for (int v = 0; v < 8; v++) acc[v] = _mm256_add_epi16(acc[v], _mm256_maddubs_epi16(w[v], x));
+#endif
+    }
+    __m256i s = acc[0];
+    for (int v = 1; v < 8; v++) s = _mm256_add_epi32(s, acc[v]);
+    volatile int sink = _mm256_extract_epi32(s, 0) + _mm256_extract_epi32(s, 7);
+    (void)sink;
+    return iters * 8 * 32;
+#endif
+}

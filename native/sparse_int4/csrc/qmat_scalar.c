@@ -232,6 +232,18 @@ const char *qm_kernel_name(qm_kernel_fn f) {
     return "scalar";
 }
 
+long long qm_mac_peak(const char *kernel, long long iters) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    __builtin_cpu_init();
+    if (!strcmp(kernel, "avx2") && __builtin_cpu_supports("avx2")) return qm_mac_peak_avx2(iters);
+    if (!strcmp(kernel, "avxvnni") && __builtin_cpu_supports("avxvnni")) return qm_mac_peak_avxvnni(iters);
+    if ((!strcmp(kernel, "avx512vnni") || !strcmp(kernel, "avx512vnni-amx")) && __builtin_cpu_supports("avx512vnni"))
+        return qm_mac_peak_avx512vnni(iters);
+#endif
+    (void)kernel, (void)iters;
+    return -1;
+}
+
 qm_dequant_fn qm_dequant_for(int isa) {
 #ifdef LLMLOCAL_X86_VARIANTS
     if (isa >= SI4_ISA_AVX2) return qm_dequant_avx2;
