@@ -26,7 +26,7 @@ def runs_natively(spec: ModelSpec) -> bool:
 
 
 # CPU features on which the native kernels were measured to decode faster than llama.cpp at its
-# best setting on the same CPU (README, Performance): AVX512-VNNI (Sapphire Rapids: Qwen2.5-Coder
+# best setting on the same CPU (docs/performance.md): AVX512-VNNI (Sapphire Rapids: Qwen2.5-Coder
 # 1.5B Q4_K_M 1.39x, 0.5B 1.74x, the starter's Q4_1 1.73x). On AVX2 alone (Zen 3) the two decode
 # about as fast and llama.cpp loads sooner; AVX-VNNI (Alder Lake) has not been measured.
 FASTER_ON = "avx512_vnni"  # as hardware.simd_features() names it

@@ -26,7 +26,7 @@ from .gguf_header import ArrayInfo, TensorInfo, read_gguf_header
 #   llmlocal.sparsity.grid.<proj>           f32[G * n_layers], level-major
 SPARSITY_PREFIX = "llmlocal.sparsity."
 # `quantize --sparsity` with no value, by the kernels the file's projections run in (measured
-# with `llmlocal.quant.sparsity_quality`, README): a file of 4-bit types only (the starter,
+# with `llmlocal.quant.sparsity_quality`, docs/quantize.md): a file of 4-bit types only (the starter,
 # fp32 activations, every projection able to skip) every input at the highest level within 5%
 # perplexity on the starter; a K-quant mix (int8 activations) the MLP's down projection alone,
 # within 5% on Qwen2.5-Coder 1.5B (+2.5%) and 0.5B (+0.3%) and the level where skipping its

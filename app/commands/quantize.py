@@ -22,7 +22,7 @@ With --sparsity S, the output is run on calibration text (half of the built-in t
 activations are stored in it (llmlocal.sparsity.* keys), for llmlocal's sparse CPU engine;
 llama.cpp ignores them. --sparsity ffn_down=0.6 (a profile) sparsifies only the projections
 named, each at its own level: the MLP's down projection loses the least quality per weight
-skipped (README, Performance). The report then adds the sparse model against the dense one on the
+skipped (docs/performance.md). The report then adds the sparse model against the dense one on the
 other half of the text (saved as OUT.gguf.sparsity.json). A 4-bit GGUF given without --type
 keeps its tensors byte for byte: only the thresholds are added.
 """

@@ -386,7 +386,7 @@ def pack_rows(parts: list[QuantRows]) -> PackedQuant | None:
     """The interleaved `PackedQuant` of the rows of ``parts`` (one type, stacked: a fused
     projection) straight from the file's bytes in one C pass: the same arrays as
     ``pack(QuantCodes.concat([p.decode() for p in parts]), interleaved=True)`` without the
-    decoded codes in between (measured on the 1.5B: see README, loading). None without the
+    decoded codes in between (measured on the 1.5B: see docs/performance.md). None without the
     kernels."""
     kernels = _kernels()
     if kernels is None:

@@ -131,7 +131,7 @@ def test_constrained_and_free_requests_decode_together_as_each_alone(paged: Engi
     alone = [ids(paged, r) for r in requests]
     batched = [[t for e in events if isinstance(e, TokenEvent) for t in e.token_ids] for events in together(paged, requests)]
     # The starter's Q8_0 output head rounds its input to int8, so a float-rounding difference
-    # between batched and single steps can move a logit by about 0.01 (README, Backends): a
+    # between batched and single steps can move a logit by about 0.01 (docs/backends.md): a
     # reply may part from its lone twin only where the two tokens chosen are that close, under
     # the grammar or not (a batching or masking bug parts them anywhere, and most of them).
     differ = [i for i in range(len(requests)) if batched[i] != alone[i]]
