@@ -16,7 +16,9 @@ from llmlocal.engine.model_runner import ModelRunner, StepItem
 from llmlocal.engine.sequence import Sequence
 from llmlocal.models import resolve, spec_from_gguf
 
-from tiny_llama import CONFIG, reference_logits, write_checkpoint
+from tiny_llama import CONFIG, gguf_llama_weights, reference_logits, write_checkpoint
+
+NEAR_TIE = 0.1  # nats: where two implementations may order the top two candidates either way
 
 CPU = torch.device("cpu")
 
@@ -63,18 +65,61 @@ def test_paged_logits_equal_the_unpaged_reference(tiny, block_size: int) -> None
             assert torch.allclose(out[1], ref_b[pos + 1], atol=1e-4)
 
 
+def int8_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights with every projection replaced by the INT8 model's own (codes
+    times row scales, float64: the weights it computes with), split back into q, k, v and gate,
+    up, q and k rows back in Hugging Face's order (the engine interleaves each head's halves)."""
+    d, f = CONFIG["hidden_size"], CONFIG["intermediate_size"]
+    nh, nkv = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
+    kv = nkv * d // nh
+
+    def deq(m: torch.nn.Module) -> torch.Tensor:
+        return m.qweight.double() * m.scale.double()[:, None]
+
+    def unpermute(a: torch.Tensor, heads: int) -> torch.Tensor:  # rows (heads, hd / 2, 2) -> (heads, 2, hd / 2)
+        return a.reshape(heads, a.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(a.shape)
+
+    out = dict(weights)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = deq(layer.qkv).split([d, kv, kv])
+        gate, up = deq(layer.gate_up).split([f, f])
+        out |= {p + "self_attn.q_proj.weight": unpermute(q, nh), p + "self_attn.k_proj.weight": unpermute(k, nkv),
+                p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": deq(layer.o_proj),
+                p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": deq(layer.down)}
+    return out
+
+
+def assert_top1_only_at_near_ties(got: np.ndarray, exact: np.ndarray, name: str, tie: float = NEAR_TIE) -> None:
+    """The margin rule: where `got`'s top token differs from the exact reference's, the
+    reference's two best are within `tie` nats (rows are positions, columns the vocabulary)."""
+    top2 = np.sort(exact, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    differ = got.argmax(-1) != exact.argmax(-1)
+    assert np.all(margin[differ] < tie), (
+        f"{name}: top-1 differs from the exact reference at positions {np.flatnonzero(differ & (margin >= tie)).tolist()} "
+        f"where the reference's margin is {np.round(margin[differ & (margin >= tie)], 3).tolist()} nats")
+
+
 def test_tied_embeddings_and_int8_weights(tmp_path: Path) -> None:
+    """Dense against the float64 reference at 1e-4; INT8 against the float64 reference of its
+    own INT8 weights (so what remains is its arithmetic: bf16 activations, 8 significant bits,
+    a relative rounding of 2^-9) within 2^-9 of the largest logit, and the margin rule."""
     weights = write_checkpoint(tmp_path, seed=3, tie_word_embeddings=True)
     assert "lm_head.weight" not in weights
     tokens = list(range(5, 30))
-    ref = reference_logits(weights, tokens, {"tie_word_embeddings": True}).float()
-    for mode, tol in (("dense", 1e-4), ("int8", 0.15)):
+    cfg = {"tie_word_embeddings": True}
+    for mode in ("dense", "int8"):
         model = load_hf(tmp_path, CPU, torch.float32, weights=mode)
         runner = ModelRunner(model, num_blocks=16, block_size=16, kv_dtype=torch.float32)
         seq = Sequence(0, tokens)
         BlockManager(16, 16).allocate(seq)
         logits, _ = runner.execute([StepItem(seq, 0, len(tokens), True)], all_rows=True)
-        assert (logits - ref).abs().max() < tol, mode
+        ref = reference_logits(weights if mode == "dense" else int8_weights(model, weights), tokens, cfg)
+        tol = 1e-4 if mode == "dense" else 2.0**-9 * float(ref.abs().max())
+        assert (logits.double() - ref).abs().max() < tol, mode
+        assert_top1_only_at_near_ties(torch.log_softmax(logits.double(), -1).numpy(),
+                                      torch.log_softmax(ref, -1).numpy(), mode)
 
 
 def test_int4_linear_matches_its_dequantized_weight() -> None:
@@ -123,19 +168,30 @@ def test_gguf_int4_codes_are_exact(requantized: dict[str, str], variant: str) ->
     assert expected in checked
 
 
-def _teacher_forced_agreement(path: str, weights: str, text: str) -> tuple[float, int]:
-    from llmlocal.engine import Engine, Plan
-
-    with Engine.load(Plan(model=path, n_ctx=1024)) as cpp:
-        ids = cpp.tokenize(text)
-        ref = cpp.log_probs(ids)
+def _teacher_forced(path: str, weights: str, ids: list[int]) -> tuple[np.ndarray, torch.nn.Module]:
+    """Our engine's log-probs (float64) of every next token of `ids`, and the model."""
     model = load_gguf(spec_from_gguf(path), CPU, torch.float32, weights, max_position=1024)
     runner = ModelRunner(model, num_blocks=64, block_size=16, kv_dtype=torch.float32)
     seq = Sequence(0, ids[:-1])
     BlockManager(64, 16).allocate(seq)
     logits, _ = runner.execute([StepItem(seq, 0, len(ids) - 1, True)], all_rows=True)
-    agree = (logits.argmax(-1).numpy() == ref.argmax(-1)).mean()
-    return float(agree), len(ids) - 1
+    return torch.log_softmax(logits.double(), -1).numpy(), model
+
+
+@pytest.fixture(scope="module")
+def starter_references() -> dict:
+    """EVAL_TEXT's tokens, llama.cpp's log-probs of them, and the exact ones: the file's
+    weights dequantized by gguf-py, float64 throughout (tiny_llama.reference_logits)."""
+    from llmlocal.engine import Engine, Plan
+
+    path = resolve().path
+    with Engine.load(Plan(model=path, n_ctx=1024)) as cpp:
+        ids = cpp.tokenize(EVAL_TEXT)
+        llama_cpp = cpp.log_probs(ids)
+    w, cfg = gguf_llama_weights(path)
+    exact = torch.log_softmax(reference_logits(w, ids[:-1], cfg), -1).numpy()
+    return {"path": path, "ids": ids, "llama_cpp": np.asarray(llama_cpp, dtype=np.float64), "exact": exact,
+            "weights": w, "config": cfg}
 
 
 EVAL_TEXT = (
@@ -159,9 +215,37 @@ EVAL_TEXT = (
 
 
 @pytest.mark.parametrize("weights", ["dense", "auto"])
-def test_starter_top1_agrees_with_llama_cpp(weights: str) -> None:
-    agree, n = _teacher_forced_agreement(resolve().path, weights, EVAL_TEXT)
-    assert n >= 256
+def test_starter_top1_agrees_with_llama_cpp(weights: str, starter_references: dict) -> None:
+    r = starter_references
+    ours, _ = _teacher_forced(r["path"], weights, r["ids"])
+    assert len(r["ids"]) - 1 >= 256
     # llama.cpp quantizes activations to 8 bits inside its matmuls, so positions where the
     # top two candidates are nearly tied may differ; >= 95% is the bar.
+    agree = float((ours.argmax(-1) == r["llama_cpp"].argmax(-1)).mean())
     assert agree >= 0.95, agree
+    # and llama.cpp itself, judged by the exact reference: a differing top-1 only at near ties
+    assert_top1_only_at_near_ties(r["llama_cpp"], r["exact"], "llama.cpp")
+
+
+AUTO_HEAD_TIES = ("the INT8 output head computes with bf16 activations (torch's _weight_int8pack_mm on "
+                  "the CPU): its top-1 differs from the exact reference of its own weights where the "
+                  "margin is 0.145 nats (position 11 of EVAL_TEXT)")
+
+
+@pytest.mark.parametrize("weights", ["dense", pytest.param("auto", marks=pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason=AUTO_HEAD_TIES))])
+def test_starter_top1_differs_from_the_exact_model_only_at_near_ties(weights: str, starter_references: dict) -> None:
+    """Our log-probs against the exact float64 forward of the same weights (for `auto`, the
+    file's 4-bit projections and the per-row INT8 embedding it builds from the tied Q8_0 one,
+    for the lookup and the head): a differing top-1 only where the reference's two best are
+    within 0.1 nats. Dense computes in fp32 (~1e-5 from the reference)."""
+    r = starter_references
+    ours, model = _teacher_forced(r["path"], weights, r["ids"])
+    exact = r["exact"]
+    tied = model.embed_int8
+    if tied is not None:  # the exact model with those weights
+        w = dict(r["weights"], **{"model.embed_tokens.weight": tied.qweight.double() * tied.scale.double()[:, None]})
+        exact = torch.log_softmax(reference_logits(w, r["ids"][:-1], r["config"]), -1).numpy()
+    if weights == "dense":
+        assert np.abs(ours - exact).max() < 1e-3
+    assert_top1_only_at_near_ties(ours, exact, weights)

@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -87,6 +87,16 @@ def server(starter_path: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def remote(server: str) -> Iterator[Engine]:
     with Engine.load(Plan(endpoint=server + "/v1", api_key=KEY)) as e:
         yield e
+
+
+def wait_until(ready: Callable[[], bool], timeout: float = 120) -> bool:
+    """Poll `ready` (a state, not a guess of how long something takes) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def collect(engine: Engine, request: Request) -> tuple[list[TokenEvent], DoneEvent]:
@@ -172,13 +182,21 @@ def test_cancel_mid_stream_and_during_prefill(remote: Engine) -> None:
     assert done is not None and done.finish_reason == "cancelled"
     assert done.stats.completion_tokens < 600
 
-    # Cancelled before the first token: the stream's socket is shut, nothing is produced.
-    slow = Request.chat([{"role": "user", "content": "word " * 600}], SamplingParams(temperature=0, max_tokens=5))
-    timer = threading.Timer(0.2, remote.cancel, args=(slow.id,))
-    timer.start()
-    tokens, done = collect(remote, slow)
-    timer.join()
+    # Cancelled while the server prefills a long prompt: as soon as the request's stream is open
+    # (its watcher thread runs; an event, where a timer guessed how long prefill takes) the
+    # stream's socket is shut, and what was produced, if anything, is the reply's text.
+    slow = Request.chat([{"role": "user", "content": "word " * 600}], SamplingParams(temperature=0, max_tokens=600))
+    result: list[tuple[list[TokenEvent], DoneEvent]] = []
+    consumer = threading.Thread(target=lambda: result.append(collect(remote, slow)))
+    before = set(threading.enumerate())
+    consumer.start()
+    assert wait_until(lambda: any("_abort_on_cancel" in t.name for t in set(threading.enumerate()) - before)
+                      or not consumer.is_alive()), "the request's stream never opened"
+    remote.cancel(slow.id)
+    consumer.join()
+    tokens, done = result[0]
     assert done.finish_reason == "cancelled" and done.text == "".join(t.text for t in tokens)
+    assert done.stats.completion_tokens < 600
 
     # A consumer that stops reading closes the stream; the server serves the next request.
     stream = remote.generate(long)

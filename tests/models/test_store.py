@@ -50,7 +50,9 @@ def gguf_repo(cache: Path, make_gguf) -> Path:
 
 
 def test_hub_names_parse() -> None:
-    assert parse_hub_name("org/repo:Q4_K_M") == parse_hub_name("org/repo:Q4_K_M")
+    name = parse_hub_name("org/repo:Q4_K_M")
+    assert (name.repo_id, name.revision, name.selector) == ("org/repo", None, "Q4_K_M")
+    assert name == parse_hub_name("org/repo:Q4_K_M") != parse_hub_name("org/repo:Q8_0")
     name = parse_hub_name("bartowski/Qwen2.5-0.5B-Instruct-GGUF:q4_k_m")
     assert (name.repo_id, name.revision, name.selector) == ("bartowski/Qwen2.5-0.5B-Instruct-GGUF", None, "q4_k_m")
     name = parse_hub_name("org/repo@v1.0:model-f16.gguf")

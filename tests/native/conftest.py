@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from cpu_flags import ISA_FLAGS, missing
 from llmlocal.native import sparse_int4 as si4
 
 
@@ -23,9 +24,12 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(params=["avx512", "avx2", "scalar"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The native kernels set to one ISA path for the test (skipped where the CPU lacks it)."""
-    if request.param not in si4.available_isas():
-        pytest.skip(f"this CPU or build has no {request.param} path")
+    """The native kernels set to one ISA path for the test: skipped where /proc/cpuinfo lacks
+    its instructions, failed where the CPU has them and the build does not run the path."""
+    lacking = missing(ISA_FLAGS[request.param])
+    if lacking:
+        pytest.skip(f"this CPU lacks {', '.join(lacking)} (the {request.param} path)")
+    assert request.param in si4.available_isas(), f"the CPU has the {request.param} instructions, the build no such path"
     before = si4.isa()
     si4.set_isa(request.param)
     yield request.param

@@ -2,7 +2,8 @@
 reference of the same arithmetic: QK-norm, the sandwich norms after attention and FFN, the
 GELU-tanh gated activation, a sliding window and the local layers' RoPE table, alone and
 together, for 1 and 3 sequences of different lengths (longer than the window and than a chunk of
-attention, 128), with fp32 and fp16 caches; and the defaults (short tuples) unchanged.
+attention, 128), with fp32 and fp16 caches; the sparse step (non-zero per-projection
+thresholds, the reference zeroing the same inputs); and the defaults (short tuples) unchanged.
 
 The projections are INT4 `Matrix` kernels with fp32 activations, compared through their own
 dequantized weights: the kernels and the stack sum in fp32, the reference in float64, so they
@@ -133,14 +134,44 @@ def rotate(x: np.ndarray, rot: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass
+class Thresholding:
+    """The reference's side of per-projection thresholds (layer l, projection P at l * 4 + P:
+    qkv, o, gate_up, down; <= 0 dense): the inputs each projection saw and kept, and how close
+    any input came to its threshold (relative), where float32 and float64 could decide apart."""
+
+    t: np.ndarray
+    inputs: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    kept: np.ndarray = field(init=False)
+    closest: float = np.inf
+
+    def __post_init__(self) -> None:
+        self.kept = np.zeros(len(self.t), np.int64)
+
+    def apply(self, i: int, x: np.ndarray) -> np.ndarray:
+        """x' = x where |x| > t, else 0 (float64), as the kernels zero x (float32) before W x'."""
+        self.inputs.setdefault(i, []).append(x.copy())
+        t = float(self.t[i])
+        if not t > 0:
+            self.kept[i] += x.size
+            return x
+        keep = np.abs(x) > t
+        self.kept[i] += int(keep.sum())
+        self.closest = min(self.closest, float(np.min(np.abs(np.abs(x) - t))) / t)
+        return np.where(keep, x, 0.0)
+
+
 def reference(layers: list[Layer], activation: int, h: np.ndarray, cis: np.ndarray, cis_local: np.ndarray | None,
-              slots: np.ndarray, lens: np.ndarray, kv_f16: bool) -> np.ndarray:
-    """The stack in float64 on copies of the caches (read before the step)."""
+              slots: np.ndarray, lens: np.ndarray, kv_f16: bool, th: Thresholding | None = None) -> np.ndarray:
+    """The stack in float64 on copies of the caches (read before the step); with `th`, each
+    projection's input thresholded first."""
     h = h.astype(np.float64)
+    th = th if th is not None else Thresholding(np.zeros(4 * len(layers), np.float32))
     caches = [(l.k_cache.astype(np.float64), l.v_cache.astype(np.float64)) for l in layers]
-    for layer, (kc, vc) in zip(layers, caches):
+    for li, (layer, (kc, vc)) in enumerate(zip(layers, caches)):
+        first = 4 * li  # the layer's projections: first + 0 .. 3
         for b in range(h.shape[0]):
-            qkv = layer.w[0] @ rms(h[b], layer.attn_norm)
+            qkv = layer.w[0] @ th.apply(first, rms(h[b], layer.attn_norm))
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q, k, v = qkv[: NH * HD].reshape(NH, HD), qkv[NH * HD : (NH + NKV) * HD].reshape(NKV, HD), qkv[(NH + NKV) * HD :]
@@ -161,23 +192,24 @@ def reference(layers: list[Layer], activation: int, h: np.ndarray, cis: np.ndarr
                 s = SCALE * kc[ctx, g] @ q[head]
                 p = np.exp(s - s.max())
                 att[head] = (p / p.sum()) @ vc[ctx, g]
-            o = layer.w[1] @ att.reshape(-1)
+            o = layer.w[1] @ th.apply(first + 1, att.reshape(-1))
             h[b] += o if layer.post_attn_norm is None else rms(o, layer.post_attn_norm)
-            gu = layer.w[2] @ rms(h[b], layer.ffn_norm)
+            gu = layer.w[2] @ th.apply(first + 2, rms(h[b], layer.ffn_norm))
             g, up = gu[:FFN], gu[FFN:]
             if activation == 1:
                 a = 0.5 * g * (1.0 + np.tanh(GELU_C * (g + 0.044715 * g**3))) * up
             else:
                 a = g / (1.0 + np.exp(-g)) * up
-            y = layer.w[3] @ a
+            y = layer.w[3] @ th.apply(first + 3, a)
             h[b] += y if layer.post_ffn_norm is None else rms(y, layer.post_ffn_norm)
     return h
 
 
 def run(layers: list[Layer], lens: list[int], kv_f16: bool, activation: int | None = None, full: bool = False,
-        seed: int = 0, local_base: float = 10000.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(stack's h, reference's h, kept) after one step of len(lens) sequences; the caches are
-    left as the step wrote them."""
+        seed: int = 0, local_base: float = 10000.0, th: Thresholding | None = None
+        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(stack's h, reference's h, kept) after one step of len(lens) sequences, the projections'
+    inputs thresholded by `th` (None: dense); the caches are left as the step wrote them."""
     rng = np.random.default_rng(seed)
     batch = len(lens)
     config = (D, NH, NKV, HD, FFN, EPS, SCALE, kv_f16) + (() if activation is None else (activation,))
@@ -196,8 +228,8 @@ def run(layers: list[Layer], lens: list[int], kv_f16: bool, activation: int | No
     local = any(l.local for l in layers)
     cis_local = rope_table(positions, local_base) if local else None
     h = rng.standard_normal((batch, D)).astype(np.float32)
-    want = reference(layers, activation or 0, h, cis, cis_local, slots, lens_a, kv_f16)
-    t = np.zeros(len(layers) * 4, np.float32)
+    want = reference(layers, activation or 0, h, cis, cis_local, slots, lens_a, kv_f16, th)
+    t = np.zeros(len(layers) * 4, np.float32) if th is None else np.ascontiguousarray(th.t, dtype=np.float32)
     kept = np.zeros(len(layers) * 4, np.int64)
     stack.step(h.ctypes.data, cis.ctypes.data, 0 if cis_local is None else cis_local.ctypes.data, slots.ctypes.data,
                stride, lens_a.ctypes.data, new.ctypes.data, batch, t.ctypes.data, kept.ctypes.data)
@@ -253,6 +285,47 @@ def test_gemma3_like_stack(window: int, lens: list[int], kv_f16: bool, threads: 
     layers = gemma_like(rng, kv_f16, window)
     got, want, _ = run(layers, lens, kv_f16, activation=1, local_base=10000.0 / 3)
     check(got, want, kv_f16)
+
+
+FAMILIES = ["llama", "qwen3", "gemma3"]
+
+
+def family_layers(rng: np.random.Generator, family: str, kv_f16: bool) -> tuple[list[Layer], int]:
+    """(layers, activation) of a small stack shaped like the family."""
+    if family == "gemma3":
+        return gemma_like(rng, kv_f16, 48), 1
+    opts = "bias qk" if family == "qwen3" else ""
+    return [make_layer(rng, kv_f16, **options(rng, opts)) for _ in range(3)], 0
+
+
+@pytest.mark.parametrize("kv_f16", [False, True], ids=["fp32-cache", "fp16-cache"])
+@pytest.mark.parametrize("lens", [[1], [300], [300, 7, 133]], ids=["b1-len1", "b1-len300", "b3"])
+@pytest.mark.parametrize("level", [0.5, 0.9])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_thresholds_against_float64(family: str, level: float, lens: list[int], kv_f16: bool, threads: int) -> None:
+    """A sparse step: every projection with its own non-zero threshold, the `level` quantile of
+    its inputs' magnitudes in a dense step (so about that share of each is zeroed), against the
+    float64 stack that zeroes the same inputs; and each projection reads exactly the inputs the
+    reference keeps. No input of the reference lies within 1e-5 (relative) of its threshold,
+    far above where float32 and float64 could decide apart (~1e-6), so the comparison is
+    exact in its decisions and the tolerance is the dense one."""
+    rng = np.random.default_rng(13)  # data whose inputs all keep > 1e-4 from their thresholds
+    layers, activation = family_layers(rng, family, kv_f16)
+    probe = Thresholding(np.zeros(4 * len(layers), np.float32))
+    run(layers, lens, kv_f16, activation=activation, th=probe)  # (a step rewrites only its new slots)
+    t = np.array([np.quantile(np.abs(np.concatenate(probe.inputs[i])), level) for i in range(4 * len(layers))],
+                 np.float32)
+    assert (t > 0).all()
+    th = Thresholding(t)
+    got, want, kept = run(layers, lens, kv_f16, activation=activation, th=th)
+    assert th.closest > 1e-5, f"an input within {th.closest:.1e} of its threshold: pick other data"
+    check(got, want, kv_f16)
+    np.testing.assert_array_equal(kept, th.kept)
+    inputs = np.array([sum(x.size for x in th.inputs[i]) for i in range(len(t))])
+    skipped = 1 - th.kept / inputs
+    assert (skipped > 0).all() and abs(skipped.mean() - level) < 0.15, skipped
+    dense, _, _ = run(layers, lens, kv_f16, activation=activation)
+    assert np.abs(dense - got).max() / np.abs(want).max() > 1e-2  # the thresholds matter
 
 
 def test_options_matter() -> None:

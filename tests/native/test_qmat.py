@@ -3,7 +3,9 @@
 Every type against two references: gguf-py's dequantization (the decoded codes and factors
 rebuild the file's weights bit for bit) and the numpy emulation of the kernels' arithmetic
 (int8 activations per 32 inputs, integer sums per group); on every ISA this machine has, in
-both layouts (column runs, and quads of columns), batch 1-64, thresholds, odd shapes.
+both layouts (column runs, and quads of columns), batch 1-64, thresholds, odd shapes. The
+exact float64 product, with a bound derived from the activations' rounding, is the reference of
+test_kernels_exact.py; the emulation here is the tighter check of the same arithmetic.
 """
 
 from __future__ import annotations
@@ -15,34 +17,10 @@ from gguf.constants import GGMLQuantizationType
 from llmlocal.native.sparse_int4 import kernels, runtime
 from llmlocal.native.sparse_int4 import qlayout as ql
 from llmlocal.native.sparse_int4.linear import QuantLinear, quantize_dequantize
+from qmat_cases import gguf_blocks
 
 TYPES = sorted(ql.FORMATS)
 NAMES = [ql.FORMATS[t].name for t in TYPES]
-
-
-def gguf_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """(n, row bytes) of valid blocks: gguf-py's quantizer where it has one, else random code
-    bytes with small positive fp16 scales (Q8_0 codes kept in [-127, 127] as llama.cpp's)."""
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    try:
-        return np.asarray(quants.quantize(w, GGMLQuantizationType(qtype)))
-    except (NotImplementedError, ValueError, TypeError):
-        pass
-    f = ql.FORMATS[qtype]
-    raw = rng.integers(0, 256, (n, k // f.block_values * f.block_bytes), dtype=np.uint8)
-    blk = raw.reshape(n, -1, f.block_bytes)
-    scale = np.frombuffer(np.float16(0.0123).tobytes(), np.uint8)
-    if qtype == ql.Q6_K:
-        blk[..., 208:210] = scale
-    else:
-        blk[..., 0:2] = scale
-        if f.has_m:
-            blk[..., 2:4] = np.frombuffer(np.float16(0.031).tobytes(), np.uint8)
-    if qtype == ql.Q8_0:
-        codes = blk[..., 2:]
-        codes[codes == 128] = 129
-    return raw
 
 
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t != ql.Q8_0], ids=[n for n in NAMES if n != "Q8_0"])

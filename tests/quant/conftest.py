@@ -51,12 +51,9 @@ def random_checkpoint(tmp_path: Path) -> Callable[..., Path]:
 
 
 @pytest.fixture
-def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
     """Run `llmlocal ARGS` in-process through the real entry point; returns (code, stdout, stderr)."""
     from llmlocal.app import cli as cli_module
-
-    if "quantize" not in cli_module.COMMANDS:  # until app/cli.py registers the command
-        monkeypatch.setattr(cli_module, "COMMANDS", (*cli_module.COMMANDS, "quantize"))
 
     def run(*args: str) -> tuple[int, str, str]:
         capsys.readouterr()

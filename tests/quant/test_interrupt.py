@@ -7,7 +7,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -16,12 +15,8 @@ from quant_checks import assert_one_sentence_error, leftovers
 
 from llmlocal.quant.pipeline import QuantizeJob, quantize
 
-# Runs `llmlocal ...` in a fresh interpreter, registering the command if app/cli.py does not yet.
-_CLI = (
-    "import sys; from llmlocal.app import cli\n"
-    "if 'quantize' not in cli.COMMANDS: cli.COMMANDS = (*cli.COMMANDS, 'quantize')\n"
-    "raise SystemExit(cli.main(sys.argv[1:]))"
-)
+# Runs `llmlocal ...` in a fresh interpreter.
+_CLI = "import sys; from llmlocal.app import cli\nraise SystemExit(cli.main(sys.argv[1:]))"
 
 
 def _interrupt_when(phase_prefix: str, after: float) -> Callable[[str, int, int], None]:
@@ -66,8 +61,9 @@ def test_sigint_during_llama_cpp_quantization_stops_it(starter_checkpoint: Path,
     seen = []
     for line in proc.stderr:
         seen.append(line)
+        # The phase's first line is printed when the child reports its first tensor ("[ 1/ N]"
+        # from llama.cpp's log): the child is inside llama_model_quantize now, no wait needed.
         if line.startswith("quantizing to Q4_K_M"):
-            time.sleep(0.5)  # let the child get into llama_model_quantize
             os.killpg(proc.pid, signal.SIGINT)
             break
     else:
