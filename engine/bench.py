@@ -4,6 +4,8 @@
           backend: MBU = bytes read per token (weights + KV of the context) x tok/s / the
           machine's measured read bandwidth; the backends take turns, round by round, and
           each reports its speed relative to the first backend per round and the median.
+          After a short prompt, or after one of about N tokens (long-context decode), and per
+          KV cache type when several are asked for.
 * batch   N concurrent requests of mixed prompt and output lengths: aggregate output tok/s of
           `paged` serving them together vs `llamacpp` serving them one after another, and KV
           waste (allocated-but-unfilled slots / allocated slots) sampled during the run.
@@ -74,9 +76,11 @@ def _weight_bytes(engine: Engine) -> int:
 
 def _kv_value_bytes(engine: Engine) -> float:
     runner = getattr(engine.backend, "runner", None)
-    if runner is not None:
-        return float(runner.kv_caches[0][0].element_size())
-    return 2.0  # llama.cpp's default f16 KV cache
+    if runner is not None:  # the pool's bytes per value (q8_0: an int8 and a share of its row's scale)
+        cfg = runner.model.cfg
+        return runner.block_nbytes / runner.block_size / (2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim)
+    kv = engine.plan.kv_dtype if getattr(engine, "plan", None) is not None else "auto"
+    return 34 / 32 if kv == "q8_0" else 2.0  # llama.cpp's cache, f16 by default
 
 
 class _EngineProcess:
@@ -133,13 +137,17 @@ class _EngineProcess:
 
 @contextlib.contextmanager
 def _engines_apart(
-    model: str | None, backends: list[str], n_ctx: int, threads: int | None, warmup: list[dict[str, str]]
+    model: str | None, backends: list[str], n_ctx: int, threads: int | None, warmup: list[dict[str, str]],
+    kv_dtypes: dict[str, str] | None = None,
 ) -> Iterator[dict[str, _EngineProcess]]:
-    """Each backend's engine loaded in a process of its own, closed on the way out."""
+    """Each backend's engine loaded in a process of its own, closed on the way out. ``kv_dtypes``:
+    engines by label (``backend`` or ``backend:kv_dtype``) and their KV cache type."""
     engines: dict[str, _EngineProcess] = {}
     try:
         for name in backends:
-            engines[name] = _EngineProcess(Plan(model=model, backend=name, n_ctx=n_ctx, threads=threads), warmup)
+            backend, kv = name.split(":")[0], (kv_dtypes or {}).get(name, "auto")
+            plan = Plan(model=model, backend=backend, n_ctx=n_ctx, threads=threads, kv_dtype=kv)
+            engines[name] = _EngineProcess(plan, warmup)
         yield engines
     finally:
         for engine in engines.values():
@@ -172,17 +180,33 @@ def _engine_process(conn: Connection, plan: Plan, warmup: list[dict[str, str]], 
 
 def bench_decode(
     model: str | None, backends: list[str], max_tokens: int = 128, n_ctx: int = 2048, rounds: int = 3,
-    threads: int | None = None,
+    threads: int | None = None, prompt_tokens: int | None = None, kv_dtypes: list[str] | None = None,
 ) -> dict[str, Any]:
     """Every backend loaded at once, each in a process of its own (`_EngineProcess`), then
     `rounds` rounds of one request per backend in turn: a machine whose memory bandwidth
     drifts (shared hosts: a third, here) moves all of them alike, so the per-round ratios to
     the first backend mean something even when the absolute figures drift. Each backend's
-    figures are from its median round."""
+    figures are from its median round.
+
+    ``prompt_tokens``: decode after a prompt of about that many tokens (one word a token), the
+    context growing to fit it. Every round's prompt is the same long text with the round's
+    number at its end, so rounds after the first take the text from the prefix cache (paged)
+    or the retained context (llama.cpp): their TTFT is not a cold one, their decode is.
+    ``kv_dtypes``: each backend once per KV cache type, labelled ``backend:type`` when there
+    are several (``auto`` is the backend's default)."""
+    kinds = kv_dtypes or ["auto"]
+    labels = {f"{b}:{k}" if len(kinds) > 1 else b: k for b in backends for k in kinds}
+    names = list(labels)
     bandwidth = measure_bandwidth_gb_s()
     out: dict[str, Any] = {"scenario": "decode", "bandwidth_gb_s": round(bandwidth, 2), "backends": {}}
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
-    with _engines_apart(model, backends, n_ctx, threads, messages) as engines:
+    if prompt_tokens:
+        text = "Here is a list of words. " + _prompt(prompt_tokens, 7) + "\nNow write a long story using these words."
+        messages = [{"role": "user", "content": text}]
+        n_ctx = max(n_ctx, -(-(prompt_tokens + max_tokens + 512) // 1024) * 1024)
+    warmup = [{"role": "user", "content": "Say hello."}]
+    with _engines_apart(model, names, n_ctx, threads, warmup, labels) as engines:
+        backends = names
         runs: dict[str, list[Stats]] = {name: [] for name in backends}
         for i in range(rounds):
             prompt = [{"role": "user", "content": m["content"] + f" ({i})"} for m in messages]
@@ -202,6 +226,7 @@ def bench_decode(
                 "itl_ms_p95": s.itl_ms_p95,
                 "bytes_per_token": int(per_token),
                 "mbu": per_token * (s.decode_tok_s or 0) / (bandwidth * 1e9),
+                "prompt_tokens": s.prompt_tokens,
                 "completion_tokens": s.completion_tokens,
                 f"decode_vs_{first}_per_round": [round(r, 3) for r in ratios],
                 f"decode_vs_{first}": round(statistics.median(ratios), 3),

@@ -377,6 +377,13 @@ def paged_weight_bytes(spec: ModelSpec, plan: Plan, act_bytes: int) -> int:
     return _paged_weights(spec, plan.weights, act_bytes).total + rope
 
 
+def paged_kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:
+    """Bytes of the paged engine's pool per token: K and V of every layer and KV head, a head
+    row of head_dim values, or for q8_0 head_dim int8 values and an fp16 scale per 32 (kv_quant)."""
+    row = spec.head_dim + spec.head_dim // 16 if kv_dtype == "q8_0" else int(spec.head_dim * KV_BYTES[kv_dtype])
+    return 2 * spec.n_layers * spec.n_kv_heads * row
+
+
 def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) -> list[DeviceMemory]:
     on_gpu = device != "cpu"
     dtype = plan.dtype if plan.dtype != "auto" else ("bf16" if on_gpu else "fp32")
@@ -388,8 +395,7 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
     models = [(spec, plan)] + ([(draft, plan.replace(weights="auto"))] if draft is not None else [])
     tables = [_paged_weights(m, p.weights, act) for m, p in models]
     weights = [paged_weight_bytes(m, p, act) for m, p in models]
-    kv_value = KV_BYTES[paged_kv_dtype(plan, dtype, on_gpu)]
-    kv = [m.kv_bytes_per_token(kv_value) * tokens for m, _ in models]
+    kv = [paged_kv_bytes_per_token(m, paged_kv_dtype(plan, dtype, on_gpu)) * tokens for m, _ in models]
 
     chunk = min(plan.max_batch_tokens, n_ctx)
     compute = 0

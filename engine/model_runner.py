@@ -1,7 +1,11 @@
 """`ModelRunner`: one engine step's integers -> tensors -> the model -> logits.
 
 It owns the KV cache: per layer a K and a V tensor of shape
-(num_blocks, block_size, n_kv_heads, head_dim), preallocated once. The scheduler decides
+(num_blocks, block_size, n_kv_heads, head_dim), preallocated once; a q8_0 cache (int8) has
+head_dim + head_dim / 16 bytes a row, each (token, kv head) row's int8 values and then the
+fp16 scales of its groups of 32 (`llmlocal.native.paged_attention.kv_quant`), so that a block is still one run of bytes of
+each tensor: the block copies, the disk tier's payloads and the scratch caches hold the
+scales with the values. The scheduler decides
 which tokens to compute; the runner lays them out as one flat batch (decodes first, then
 prefill chunks), builds slot mappings and block tables from each sequence's block table,
 runs the model and returns the logits of the rows that sample a next token.
@@ -15,6 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from llmlocal.models.errors import LLMLocalError
+from llmlocal.native.paged_attention.kv_quant import row_width
 
 from .model.attention import AttentionMetadata, PrefillChunk
 from .model.llama import LlamaModel
@@ -58,7 +65,10 @@ class ModelRunner:
         self.device = model.device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        if kv_dtype == torch.int8 and cfg.head_dim % 32:
+            raise LLMLocalError(f"A q8_0 KV cache keeps a scale per 32 values, and this model's heads have "
+                                f"{cfg.head_dim}: use --kv-dtype f16.")
+        shape = (num_blocks, block_size, cfg.n_kv_heads, row_width(cfg.head_dim, kv_dtype))
         self.kv_caches = [(_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device)) for _ in range(cfg.n_layers)]
         self.graphs: DecodeGraphs | None = None
         # chunks of up to this many tokens after a context run as decode rows (1: only single

@@ -99,15 +99,11 @@ class Plan:
 
 
 def paged_kv_dtype(plan: Plan, run_dtype: str, on_gpu: bool) -> str:
-    """The paged engine's KV cache element type ("f32", "f16" or "bf16") for a run in
-    ``run_dtype`` ("fp32", "fp16", "bf16"): the plan's, else f16 for an fp32 run on the CPU (what
-    llama.cpp keeps too: half the bytes decode attention reads and the pool holds), else the
-    run dtype."""
-    if plan.kv_dtype == "q8_0":
-        raise LLMLocalError(
-            "The paged engine keeps its KV cache in f32, f16 or bf16, not q8_0: pick one of those, "
-            "or run with --backend llamacpp."
-        )
+    """The paged engine's KV cache element type ("f32", "f16", "bf16" or "q8_0": int8 with an
+    fp16 scale per 32 values, kv_quant) for a run in ``run_dtype`` ("fp32", "fp16", "bf16"): the
+    plan's, else f16 for an fp32 run on the CPU (what llama.cpp keeps too: half the bytes decode
+    attention reads and the pool holds), else the run dtype. q8_0 is never chosen by default:
+    the planner picks it where f16 does not fit the context."""
     if plan.kv_dtype != "auto":
         return plan.kv_dtype
     if run_dtype == "fp32" and not on_gpu:

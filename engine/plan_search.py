@@ -182,7 +182,8 @@ def candidates(
             # RAM is shared with everything else: on a CPU, no context beyond the default unless asked
             cap = spec.context_length if device == "cuda" else max(DEFAULT_MAX_CTX, wanted)
             ctxs = [pins.n_ctx] if pins.n_ctx else _ctx_ladder(spec, cap)
-            kvs = [pins.kv_dtype] if pins.kv_dtype else (["f16", "q8_0"] if backend == "llamacpp" else ["auto"])
+            # paged: its default (f16 on a CPU), or q8_0 where that fits more context (ranked below full precision)
+            kvs = [pins.kv_dtype] if pins.kv_dtype else (["f16", "q8_0"] if backend == "llamacpp" else ["auto", "q8_0"])
             can_draft = backend == "paged" and (draft is not None or base.draft is not None)
             drafts = [False] if not can_draft or pins.draft is False else ([True] if pins.draft else [True, False])
             slots = [1] if backend != "paged" else ([16, 4, 1] if device == "cuda" else [4, 1])

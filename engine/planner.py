@@ -215,8 +215,12 @@ def _reasons(best: Candidate, others: list[Candidate], ranked: list[Candidate], 
         out.append(f"context {p.n_ctx}: the default{more}")
     else:
         out.append(f"context {p.n_ctx}: the longest that fits (the default {default} does not)")
-    if p.backend == "llamacpp" and p.kv_dtype == "q8_0":
+    if p.kv_dtype == "q8_0" and pins.kv_dtype:
+        out.append("KV cache in q8_0: as asked with --kv-dtype")
+    elif p.backend == "llamacpp" and p.kv_dtype == "q8_0":
         out.append("KV cache in q8_0 (half of f16): f16 would not fit this context")
+    elif p.kv_dtype == "q8_0":
+        out.append(_q8_reason(best, ranked))
     if len({c.spec.path for c in ranked}) > 1:
         out.append(f"quant {best.quant} ({bits_per_weight(spec):.1f} bits/weight): the highest quality that fits")
     if others:
@@ -224,6 +228,15 @@ def _reasons(best: Candidate, others: list[Candidate], ranked: list[Candidate], 
         why = _KEY_WORDS[_first_difference(best.key, ru.key)]
         out.append(f"runner-up: {ru.describe()}; it lost on {why}")
     return out
+
+
+def _q8_reason(best: Candidate, ranked: list[Candidate]) -> str:
+    """Why the paged engine keeps a q8_0 KV cache: how much context f16 would have fitted."""
+    p = best.plan
+    same = [c.plan.n_ctx or 0 for c in ranked
+            if c.fits and c.plan.kv_dtype != "q8_0" and (c.plan.backend, c.plan.device, c.spec.path) == (p.backend, p.device, best.spec.path)]
+    f16 = f"f16 fits a context of {max(same)} at most" if same else "f16 fits no context here"
+    return f"KV cache in q8_0 (int8 with a scale per 32 values: 1.88x the tokens of f16 in the same memory): {f16}"
 
 
 def _cpu_backend_reason(best: Candidate, hw: Hardware, pins: Pins) -> str | None:

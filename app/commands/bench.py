@@ -2,6 +2,7 @@
 
 Scenarios:
   decode   batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation, per backend
+           (and per KV cache type in --kv-dtype), after a short prompt or --prompt-tokens of context
   batch    N concurrent requests: paged (batched) vs llamacpp (one after another), KV waste
   prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold
   prefill  TTFT of a long prompt (--prompt-tokens), cold, per backend in --backends
@@ -22,6 +23,7 @@ Scenarios:
 Examples:
 
     llmlocal bench decode --json
+    llmlocal bench decode --backends paged --prompt-tokens 8000 --kv-dtype f16,q8_0 --max-tokens 64
     llmlocal bench batch --requests 16 --json
     llmlocal bench prefix --model ~/models/llama-3.2-1b-q4_0.gguf
     llmlocal bench prefill --model ~/models/qwen2.5-1.5b-q4_k_m.gguf --prompt-tokens 1000
@@ -51,8 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
     p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
-                   help="prefill: the prompt's length in tokens, about (default: 1000); resume: the "
-                        "chat history's and the system prompt's (default: 4000)")
+                   help="decode: decode after a prompt of about N tokens (default: a short prompt); prefill: the "
+                        "prompt's length in tokens, about (default: 1000); resume: the chat history's and the "
+                        "system prompt's (default: 4000)")
+    p.add_argument("--kv-dtype", default=None, metavar="LIST",
+                   help="decode: KV cache types to compare, comma-separated, each backend once per type "
+                        "(f16, q8_0, ...; default: each backend's own)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
                    help="decode, prefill, resume, spec, grammar: rounds in which the backends (spec: the target alone, with the "
                         "draft, with n-gram lookup; grammar: constrained and free) take turns (default: 3, spec 1)")
@@ -83,8 +89,17 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds is not None and args.rounds < 1:
         raise LLMLocalError(f"--rounds must be 1 or more, not {args.rounds}.")
     if args.scenario == "decode":
+        from llmlocal.engine.plan import KV_DTYPES
+
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-        result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens, rounds=args.rounds or 3, threads=args.threads)
+        if args.prompt_tokens is not None and args.prompt_tokens < 16:
+            raise LLMLocalError(f"--prompt-tokens must be at least 16, not {args.prompt_tokens}.")
+        kinds = [k.strip() for k in args.kv_dtype.split(",") if k.strip()] if args.kv_dtype else None
+        for k in kinds or []:
+            if k not in KV_DTYPES:
+                raise LLMLocalError(f"Unknown KV cache type '{k}' in --kv-dtype: choose from {', '.join(KV_DTYPES)}.")
+        result = bench.bench_decode(args.model, backends, max_tokens=args.max_tokens, rounds=args.rounds or 3,
+                                    threads=args.threads, prompt_tokens=args.prompt_tokens, kv_dtypes=kinds)
     elif args.scenario == "batch":
         # without llamacpp in --backends: the paged engine one request at a time is the baseline
         baseline = "llamacpp" if "llamacpp" in [b.strip() for b in args.backends.split(",")] else "paged"

@@ -18,7 +18,7 @@ from ..model_runner import ModelRunner
 from ..plan import Plan, paged_kv_dtype
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": torch.int8}  # int8: q8_0 rows
 
 
 def pick_device(plan: Plan) -> torch.device:

@@ -11,6 +11,11 @@ a cached prefix). Every token's K/V is first written to its slot; then
 * each prefill chunk attends, with `scaled_dot_product_attention`, to the sequence's whole
   context so far, gathered from the cache: its cached prefix and the chunk itself, causally.
 
+A q8_0 cache (int8 rows with an fp16 scale per 32 values, see
+`llmlocal.native.paged_attention.kv_quant`) is quantized as K/V are written and dequantized
+as it is read, in every path: the gathered decode rows, the prefill chunks' context, the Triton
+kernel and the native decode step (fast_decode).
+
 A layer with a sliding window W (Mistral, Gemma 3's local layers, Phi-3) lets the token at
 position p see positions p - W + 1 .. p only; the cache still holds every position (the blocks
 are shared by all layers), the window only narrows what is read.
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from llmlocal.native.paged_attention import paged_decode_attention, write_kv
+from llmlocal.native.paged_attention.kv_quant import from_cache, to_cache
 
 
 @dataclass
@@ -76,12 +82,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """(N, H, D) attention outputs for the step's tokens; writes their K/V to the cache.
     ``window`` > 0: each token sees the last ``window`` positions, itself included."""
-    n_kv, d = k_cache.shape[2], k_cache.shape[3]
+    n_kv, width = k_cache.shape[2], k_cache.shape[3]  # width: head_dim, + head_dim / 16 for q8_0
     if meta.decode_slots is not None:  # the CPU path: plain indexed copies, no kernel checks
         # (k and v themselves stay in q's dtype: a first prefill chunk attends to them as they are)
-        kw, vw = (k, v) if k.dtype == k_cache.dtype else (k.to(k_cache.dtype), v.to(v_cache.dtype))
-        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, kw)
-        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, vw)
+        k_cache.view(-1, n_kv, width).index_copy_(0, meta.slot_mapping, to_cache(k, k_cache))
+        v_cache.view(-1, n_kv, width).index_copy_(0, meta.slot_mapping, to_cache(v, v_cache))
     else:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode
@@ -96,16 +101,16 @@ def paged_attention(
             q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len, window=window
         )
     if meta.prefills:
-        flat_k = k_cache.view(-1, n_kv, d)  # (slots, Hkv, D)
-        flat_v = v_cache.view(-1, n_kv, d)
+        flat_k = k_cache.view(-1, n_kv, width)  # (slots, Hkv, W)
+        flat_v = v_cache.view(-1, n_kv, width)
         for chunk in meta.prefills:
             rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
             if chunk.start == 0:
                 # Nothing cached: attend to the chunk's own (uncached-precision) K/V.
                 ck, cv = k[rows], v[rows]
             else:
-                ck = flat_k[chunk.slots].to(q.dtype)  # (L, Hkv, D), L = start + num_tokens
-                cv = flat_v[chunk.slots].to(q.dtype)
+                ck = from_cache(flat_k[chunk.slots], q.dtype)  # (L, Hkv, D), L = start + num_tokens
+                cv = from_cache(flat_v[chunk.slots], q.dtype)
             out[rows] = _causal_attention(q[rows], ck, cv, chunk.start, scale, window)
     return out
 
@@ -121,14 +126,13 @@ def _gathered_decode(
     """(B, H, D): each sequence's query over its context rows, gathered by slot."""
     assert meta.decode_slots is not None
     b, h, d = q.shape
-    n_kv = k_cache.shape[2]
+    n_kv, width = k_cache.shape[2], k_cache.shape[3]
     slots = meta.decode_slots  # (B, L)
     length = slots.shape[1]
-    k = k_cache.view(-1, n_kv, d).index_select(0, slots.view(-1)).view(b, length, n_kv, d)  # (B, L, Hkv, D)
-    v = v_cache.view(-1, n_kv, d).index_select(0, slots.view(-1)).view(b, length, n_kv, d)
+    k = k_cache.view(-1, n_kv, width).index_select(0, slots.view(-1)).view(b, length, n_kv, width)  # (B, L, Hkv, W)
+    v = v_cache.view(-1, n_kv, width).index_select(0, slots.view(-1)).view(b, length, n_kv, width)
+    k, v = from_cache(k, q.dtype), from_cache(v, q.dtype)  # (B, L, Hkv, D)
     # GQA: the h // n_kv query heads of one kv head are that head's queries at one position
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
     qh = q.view(b, n_kv, h // n_kv, d)  # (B, Hkv, G, D)
     o = F.scaled_dot_product_attention(
         qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.window_mask(window), scale=scale

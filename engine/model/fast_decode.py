@@ -8,7 +8,7 @@ in C with the projections through the same kernels, and leaves embedding (with i
 final norm, head and sampling to the model. Each layer's family options go with it: QK-norm,
 sandwich norms, the MLP's activation, its sliding window and which RoPE table it rotates with.
 It takes over the steps it can run exactly: every sequence of the step decoding one token
-(eight sequences a call), in the runner's own KV cache (float32 or fp16), with every
+(eight sequences a call), in the runner's own KV cache (float32, fp16 or q8_0), with every
 projection a native kernel and a bias on qkv at most; everything else (prefill, chunks mixed
 with decodes) goes through the torch model.
 """
@@ -42,6 +42,8 @@ assert set(_ORDER) == set(SPARSITY_PROJECTIONS)
 _ATTRS = ("qkv", "o_proj", "gate_up", "down")
 MAX_ROWS = 8  # sequences per native call (the kernels' batch)
 _ACTIVATION_IDS = {"silu": 0, "gelu_tanh": 1}  # DecodeStack's gated-MLP nonlinearities
+# DecodeStack's KV types by the pool's dtype (int8: q8_0 rows, see kv_quant)
+_KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 
 
 def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Projection] | None:
@@ -120,9 +122,9 @@ class FastDecode:
                            ptr(layer.q_norm), ptr(layer.k_norm), ptr(layer.post_attn_norm), ptr(layer.post_mlp_norm),
                            layer.window, layer.local))
         first = model.layers[0]
-        kv_f16 = runner.kv_caches[0][0].dtype == torch.float16
+        kv_type = _KV_TYPES[runner.kv_caches[0][0].dtype]
         config = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ffn, float(first.attn_norm.eps),
-                  float(first.scale), kv_f16, _ACTIVATION_IDS[cfg.activation])
+                  float(first.scale), kv_type, _ACTIVATION_IDS[cfg.activation])
         self.stack = kernels().DecodeStack(config, layers)
         n = len(model.layers)
         self.thresholds = np.zeros(n * 4, dtype=np.float32)
@@ -151,7 +153,7 @@ class FastDecode:
     def build(cls, runner: ModelRunner) -> FastDecode | None:
         """The fast path for this runner's model, or None if some layer cannot take it."""
         model = runner.model
-        if model.dtype != torch.float32 or runner.kv_caches[0][0].dtype not in (torch.float32, torch.float16):
+        if model.dtype != torch.float32 or runner.kv_caches[0][0].dtype not in _KV_TYPES:
             return None
         for layer in model.layers:
             for a in _ATTRS:

@@ -2,7 +2,8 @@
 production path on CPU.
 
 Cache layout (per layer): ``k_cache``, ``v_cache``: ``(num_blocks, block_size, n_kv_heads,
-head_dim)``, contiguous. A token's slot is ``block_id * block_size + offset_in_block``; a
+head_dim)``, contiguous; a q8_0 cache is int8 with 2 more bytes per 32 values (`kv_quant`). A
+token's slot is ``block_id * block_size + offset_in_block``; a
 sequence's block table lists its block ids in order, so its token ``t`` lives in block
 ``block_tables[b, t // block_size]`` at offset ``t % block_size``.
 
@@ -21,11 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .kv_quant import GROUP, dequantize_q8, head_dim_of, is_q8, to_cache
+
 # Budget for one step's fp32 K copy: K and V of a step then stay in cache between the gather
 # and the matmuls, and no temporary grows with the batch or the context.
 STEP_BYTES = 4 << 20
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CACHE_DTYPES = _FLOAT_DTYPES + (torch.int8,)  # int8: q8_0 rows (kv_quant)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -39,8 +43,10 @@ def _check_caches(k_cache: Tensor, v_cache: Tensor) -> None:
             f"v_cache must match k_cache: got {tuple(v_cache.shape)} {v_cache.dtype} "
             f"vs {tuple(k_cache.shape)} {k_cache.dtype}"
         )
-    if k_cache.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"the KV cache must be float32, float16 or bfloat16, got {k_cache.dtype}")
+    if k_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"the KV cache must be float32, float16, bfloat16 or int8 (q8_0), got {k_cache.dtype}")
+    if is_q8(k_cache) and (k_cache.shape[-1] % (GROUP + 2) or head_dim_of(k_cache) < GROUP):
+        raise ValueError(f"a q8_0 cache's rows hold head_dim values and a 2-byte scale per {GROUP}, got {k_cache.shape[-1]} bytes")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
 
@@ -56,7 +62,7 @@ def check_write_kv_args(
 ) -> None:
     """Raise ValueError unless the arguments follow the write_kv contract."""
     _check_caches(k_cache, v_cache)
-    _, _, n_kv, head_dim = k_cache.shape
+    n_kv, head_dim = k_cache.shape[2], head_dim_of(k_cache)
     if key.dim() != 3 or key.shape[1:] != (n_kv, head_dim):
         raise ValueError(
             f"key must be (N, {n_kv}, {head_dim}) to match the cache, got {tuple(key.shape)}"
@@ -79,7 +85,7 @@ def check_decode_args(
     _check_caches(k_cache, v_cache)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: the whole context), got {window}")
-    _, _, n_kv, head_dim = k_cache.shape
+    n_kv, head_dim = k_cache.shape[2], head_dim_of(k_cache)
     if q.dim() != 3 or q.shape[2] != head_dim:
         raise ValueError(f"q must be (B, n_heads, {head_dim}), got {tuple(q.shape)}")
     if q.dtype not in _FLOAT_DTYPES:
@@ -105,15 +111,16 @@ def write_kv_reference(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
     """Write ``key[i]``/``value[i]`` (``(N, n_kv_heads, head_dim)``) into slot ``slot_mapping[i]``
-    of the caches, cast to the cache dtype; rows whose slot is negative are skipped."""
+    of the caches, cast to the cache dtype (quantized for q8_0); rows whose slot is negative are
+    skipped."""
     check_write_kv_args(key, value, k_cache, v_cache, slot_mapping)
-    num_blocks, block_size, n_kv, head_dim = k_cache.shape
+    num_blocks, block_size, n_kv, width = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()  # (N_kept,)
-    k_slots = k_cache.view(num_blocks * block_size, n_kv, head_dim)  # (S, n_kv, D), aliases k_cache
-    v_slots = v_cache.view(num_blocks * block_size, n_kv, head_dim)  # (S, n_kv, D), aliases v_cache
-    k_slots.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    v_slots.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    k_slots = k_cache.view(num_blocks * block_size, n_kv, width)  # (S, n_kv, W), aliases k_cache
+    v_slots = v_cache.view(num_blocks * block_size, n_kv, width)  # (S, n_kv, W), aliases v_cache
+    k_slots.index_copy_(0, slots, to_cache(key[keep], k_cache))
+    v_slots.index_copy_(0, slots, to_cache(value[keep], v_cache))
 
 
 def paged_decode_attention_reference(
@@ -143,6 +150,7 @@ def paged_decode_attention_reference(
     _, block_size, n_kv, _ = k_cache.shape
     group = n_heads // n_kv
     lens = context_lens.long()  # (B,)
+    # a q8_0 cache is read as q * d (kv_quant.dequantize_q8), block by block as it is gathered
     if batch == 0:
         return torch.empty_like(q)
 
@@ -208,8 +216,8 @@ def _attend_one_step(
     _, block_size, n_kv, _ = k_cache.shape
     n_blocks = table.shape[1]
     length = n_blocks * block_size
-    k = k_cache[table].view(batch, length, n_kv, head_dim).float()  # (B, L, n_kv, D), a copy
-    v = v_cache[table].view(batch, length, n_kv, head_dim).float()
+    k = _floats(k_cache[table]).view(batch, length, n_kv, head_dim)  # (B, L, n_kv, D), a copy
+    v = _floats(v_cache[table]).view(batch, length, n_kv, head_dim)
     valid = torch.arange(length, device=q.device)[None, :] < lens[:, None]  # (B, L)
     if lo is not None:
         valid &= torch.arange(length, device=q.device)[None, :] >= lo[:, None]
@@ -224,6 +232,11 @@ def _attend_one_step(
     return out.reshape(batch, n_heads, head_dim).to(q.dtype)
 
 
+def _floats(blocks: Tensor) -> Tensor:
+    """Gathered cache blocks (..., last) as fp32 (..., D): dequantized when q8_0."""
+    return dequantize_q8(blocks) if is_q8(blocks) else blocks.float()
+
+
 class _StepGather:
     """Copies cache blocks, as fp32, into one buffer that every step of a call reuses.
 
@@ -232,17 +245,25 @@ class _StepGather:
 
     def __init__(self, cache: Tensor, max_blocks: int) -> None:
         self.cache = cache
-        shape = (max_blocks, *cache.shape[1:])  # (n, bs, n_kv, D)
+        shape = (max_blocks, *cache.shape[1:])  # (n, bs, n_kv, W): W = D, or D + 2 for q8_0
         self.raw = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-        self.f32 = self.raw if cache.dtype == torch.float32 else torch.empty(shape, device=cache.device)
+        f32_shape = shape[:-1] + (head_dim_of(cache),)  # (n, bs, n_kv, D)
+        self.f32 = self.raw if cache.dtype == torch.float32 else torch.empty(f32_shape, device=cache.device)
 
     def __call__(self, ids: Tensor) -> Tensor:
         """Blocks ``ids`` (b, nbs) in order as (b, nbs * bs, n_kv, D) fp32, valid until the next call."""
         rows, n_ids = ids.shape
-        _, block_size, n_kv, head_dim = self.cache.shape
+        _, block_size, n_kv, head_dim = self.f32.shape
         n = rows * n_ids
-        raw = torch.index_select(self.cache, 0, ids.flatten(), out=self.raw[:n])  # (n, bs, n_kv, D)
-        f32 = raw if self.f32 is self.raw else self.f32[:n].copy_(raw)
+        raw = torch.index_select(self.cache, 0, ids.flatten(), out=self.raw[:n])  # (n, bs, n_kv, W)
+        if self.f32 is self.raw:
+            f32 = raw
+        elif is_q8(raw):
+            # q * d in fp32, (n, bs, n_kv, D): (.., D / 32, 32) values times (.., D / 32, 1) scales
+            f32 = self.f32[:n].copy_(raw[..., :head_dim])
+            f32.unflatten(-1, (-1, GROUP)).mul_(raw[..., head_dim:].contiguous().view(torch.float16).unsqueeze(-1))
+        else:
+            f32 = self.f32[:n].copy_(raw)
         return f32.view(rows, n_ids * block_size, n_kv, head_dim)  # (b, Ls, n_kv, D)
 
 

@@ -16,6 +16,9 @@ writes a normalised partial output and its log-sum-exp, and a second kernel merg
 The splits divide the part of the context that is walked (the window, with one).
 With one split the decode kernel writes the final output and the merge is skipped.
 
+A q8_0 cache (`kv_quant`) is read as int8 values and an fp16 scale per 32 of them: a tile's K
+and V are loaded as int8 (about half the bytes of f16) and scaled as they are converted.
+
 This module imports triton; ``llmlocal.native.paged_attention`` imports it only when the
 Triton path runs.
 """
@@ -31,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .kv_quant import is_q8
 from .reference import check_decode_args
 
 # ln-space scores are converted to log2 space once (folded into q) so the kernels use exp2.
@@ -46,6 +50,8 @@ def _decode_kernel(
     q_ptr,  # (B, H, D)
     k_cache_ptr,  # (num_blocks, block_size, n_kv, D); v_cache has the same strides
     v_cache_ptr,
+    k_scale_ptr,  # QUANT: the caches viewed as fp16 (a row's group g's scale at element (row start + D) / 2 + g)
+    v_scale_ptr,
     block_tables_ptr,  # (B, max_blocks), last stride 1
     context_lens_ptr,  # (B,)
     out_ptr,  # (B, H, D), written when NUM_SPLITS == 1
@@ -71,6 +77,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr,
     WINDOWED: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     # For query rows g of kv head `kvh` of sequence `seq`, over tokens t in [start, end):
     #   s[g, t] = log2(e) * scale * q[g] . K[t];  m = max_t s;  l = sum_t 2^(s - m);
@@ -124,6 +131,9 @@ def _decode_kernel(
         kv_offs = tok_offs[:, None] + kvh * stride_cache_head + offs_d[None, :]  # (N, D)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (N, D)
+        if QUANT:  # K[t, e] = q[t, e] * d[t, e // 32]
+            scale_offs = ((tok_offs + kvh * stride_cache_head + HEAD_DIM) // 2)[:, None] + offs_d[None, :] // 32  # (N, D)
+            k = k * tl.load(k_scale_ptr + scale_offs, mask=kv_mask, other=0.0).to(tl.float32)
 
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (G, D) @ (D, N) -> (G, N)
@@ -137,6 +147,8 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (N, D)
+        if QUANT:
+            v = v * tl.load(v_scale_ptr + scale_offs, mask=kv_mask, other=0.0).to(tl.float32)
         if USE_DOT:
             pv = tl.dot(p, v, input_precision="ieee")  # (G, N) @ (N, D) -> (G, D)
         else:
@@ -301,6 +313,9 @@ def paged_decode_attention_triton(
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
     group = n_heads // n_kv
+    quant = is_q8(k_cache)  # check_decode_args saw that q's head_dim is head_dim_of(k_cache)
+    # the scales' fp16 view (an fp16 never read otherwise: the caches stand in for it)
+    k_scales, v_scales = (k_cache.view(torch.float16), v_cache.view(torch.float16)) if quant else (k_cache, v_cache)
     if batch == 0:
         return torch.empty_like(q)
     if max_context_len is None:
@@ -336,7 +351,7 @@ def paged_decode_attention_triton(
         part_out = part_lse = out  # never touched by the NUM_SPLITS == 1 variant
 
     decode_kernel[(batch, n_kv, plan.num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, out, part_out, part_lse,
         scale * _LOG2_E, plan.tokens_per_split, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -344,7 +359,7 @@ def paged_decode_attention_triton(
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile_n,
-        NUM_SPLITS=plan.num_splits, USE_DOT=use_dot, WINDOWED=window > 0,
+        NUM_SPLITS=plan.num_splits, USE_DOT=use_dot, WINDOWED=window > 0, QUANT=quant,
     )  # fmt: skip
     if plan.num_splits > 1:
         merge_kernel[(batch, n_heads)](

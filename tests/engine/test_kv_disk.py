@@ -215,13 +215,14 @@ def plan(directory: Path | None, **kw) -> Plan:
                 kv_cache_dir=str(directory) if directory else None, **kw)
 
 
-def test_greedy_tokens_are_the_same_cold_warm_in_memory_and_warm_from_disk(tmp_path: Path) -> None:
-    with Engine.load(plan(None)) as e:
+@pytest.mark.parametrize("kv_dtype", ["auto", "q8_0"])  # q8_0: int8 rows with their scales in the payload
+def test_greedy_tokens_are_the_same_cold_warm_in_memory_and_warm_from_disk(tmp_path: Path, kv_dtype: str) -> None:
+    with Engine.load(plan(None, kv_dtype=kv_dtype)) as e:
         without = greedy(e, PROMPT)
-    with Engine.load(plan(tmp_path)) as e:
+    with Engine.load(plan(tmp_path, kv_dtype=kv_dtype)) as e:
         cold = greedy(e, PROMPT)
         warm_memory = greedy(e, PROMPT)
-    with Engine.load(plan(tmp_path)) as e:  # a new process's engine: only the disk has the blocks
+    with Engine.load(plan(tmp_path, kv_dtype=kv_dtype)) as e:  # a new process's engine: only the disk has the blocks
         warm_disk = greedy(e, PROMPT)
         assert e.backend.disk.counts["read"] > 0  # type: ignore[attr-defined]
     assert cold.stats.cached_prompt_tokens == 0

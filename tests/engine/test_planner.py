@@ -17,7 +17,6 @@ from llmlocal.engine.hardware import GPU, Hardware
 from llmlocal.engine.memory_model import estimate
 from llmlocal.engine.planner import NothingFitsError, Pins, choose, usable_budget
 from llmlocal.models import ModelSpec, TensorInfo
-from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.sizes import format_size
 from llmlocal.models.spec import SpecialTokens
 
@@ -326,8 +325,32 @@ def test_kv_cache_bytes() -> None:
     assert paged.kv == 100 * 16 * 2 * 32 * 8 * 128 * 2  # the pool, fp16 on a CPU by default
     (f32,) = estimate(spec, Plan(backend="paged", device="cpu", n_ctx=1000, kv_blocks=100, kv_dtype="f32"), AVX2)
     assert f32.kv == 2 * paged.kv
-    with pytest.raises(LLMLocalError, match="f32, f16 or bf16, not q8_0"):
-        estimate(spec, Plan(backend="paged", device="cpu", n_ctx=1000, kv_dtype="q8_0"), AVX2)
+    # int8 values and an fp16 scale per 32: 136 bytes a head row instead of 256
+    (q8,) = estimate(spec, Plan(backend="paged", device="cpu", n_ctx=1000, kv_blocks=100, kv_dtype="q8_0"), AVX2)
+    assert q8.kv == 100 * 16 * 2 * 32 * 8 * (128 + 8)
+
+
+def test_paged_q8_0_fits_twice_the_context_of_f16_in_the_same_memory_and_says_so() -> None:
+    """Qwen2.5-Coder-1.5B's shape in the paged engine on a machine whose memory holds its f16 KV
+    cache for 4096 tokens and not for 8192: the planner keeps the default 8192 with q8_0."""
+    spec = model("Qwen2.5-Coder-1.5B", 28, 1536, 12, 2, 8960, 151936, 32768, "Q4_K_M", tied=True, bias=True, arch="qwen2")
+    one_slot = lambda n, kv: Plan(backend="paged", device="cpu", n_ctx=n, kv_blocks=n // 16, kv_dtype=kv)  # noqa: E731
+    (f16_8k,) = estimate(spec, one_slot(8192, "auto"), AVX2)
+    (q8_8k,) = estimate(spec, one_slot(8192, "q8_0"), AVX2)
+    (q8_16k,) = estimate(spec, one_slot(16384, "q8_0"), AVX2)
+    assert q8_16k.kv == f16_8k.kv * 136 // 128  # twice the tokens in 6% more bytes
+    available = q8_8k.need
+    while usable_budget(available) < q8_8k.need:
+        available += 1 << 20
+    assert usable_budget(available) < f16_8k.need
+    hw = Hardware(total_ram=8 * GIB, available_ram=available, physical_cores=4, simd=AVX2)
+    c = choose([spec], hw, Pins(backend="paged"))
+    assert (c.plan.backend, c.plan.n_ctx, c.plan.kv_dtype, c.plan.kv_blocks) == ("paged", 8192, "q8_0", 8192 // 16)
+    assert "KV cache in q8_0 (int8 with a scale per 32 values: 1.88x the tokens of f16 in the same memory): " \
+           "f16 fits a context of 4096 at most" in _reasons(c)
+    # where f16 fits, it is kept
+    roomy = Hardware(total_ram=8 * GIB, available_ram=available + 2 * GIB, physical_cores=4, simd=AVX2)
+    assert choose([spec], roomy, Pins(backend="paged")).plan.kv_dtype == "auto"
 
 
 def test_llamacpp_repacked_weights_count_twice_in_rss_once_in_the_need() -> None:

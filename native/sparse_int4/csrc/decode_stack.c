@@ -8,7 +8,8 @@
  *   [q_h = rms_norm(q_h) * q_norm, k_h = rms_norm(k_h) * k_norm per head]          (Qwen3, Gemma 3)
  *   q, k rotated by RoPE (interleaved pairs (2j, 2j + 1), factors `cis` of the position, or
  *   `cis_local` in a `local` layer: Gemma 3's sliding layers have a RoPE base of their own)
- *   k, v written to slot `slot_new` of the layer's cache (slots, Hkv, D), float or fp16
+ *   k, v written to slot `slot_new` of the layer's cache (slots, Hkv, D), float, fp16 or q8_0
+ *   (per KV head: D int8 values and an fp16 scale per 32, D + D / 16 bytes; see attn_body.h)
  *   a_h = softmax(scale q_h . K_g) V_g over the context slots (the last `window` of them when
  *   the layer has one: Mistral, Gemma 3), g = h / (H / Hkv)
  *   h += W_o a'   [rms_norm(W_o a') * post_attn_norm: Gemma 3's sandwich norms]
@@ -16,7 +17,7 @@
  *   h += W_down (act(gate) * up)'   [rms_norm(...) * post_ffn_norm], act silu or gelu-tanh (Gemma)
  *
  * The same arithmetic as engine/model/llama.py, in float32 (an fp16 cache rounds k and v to
- * nearest even, as torch's conversion does), with the projections through
+ * nearest even, as torch's conversion does; a q8_0 cache quantizes them as kv_quant.py), with the projections through
  * si4_gemv_locked. Weights are Matrix or QMatrix objects, or tuples of them whose outputs stack (held); norms and caches are addresses of tensors
  * the caller keeps alive and in place. */
 
@@ -50,7 +51,7 @@ typedef struct {
     float eps, scale;
     proj_t *proj;                  /* n_layers * N_PROJ */
     const float **attn_norm, **ffn_norm;
-    void **k_cache, **v_cache; /* float, or fp16 values when kv_f16 */
+    void **k_cache, **v_cache; /* float, fp16 values or q8_0 rows, by kv_type */
     const float **qkv_bias;    /* per layer, or NULL: added to q, k, v before RoPE (Qwen2) */
     const float **q_norm, **k_norm;               /* per layer, or NULL (head_dim floats each) */
     const float **post_attn_norm, **post_ffn_norm; /* per layer, or NULL (d floats each) */
@@ -58,7 +59,7 @@ typedef struct {
     int *windows;   /* the distinct windows (windows[0] = 0: none), n_plans of them */
     attn_plan *plans; /* n_plans, remade every step */
     unsigned char *local; /* per layer: RoPE by cis_local */
-    int kv_f16, activation, n_plans, any_local;
+    int kv_type, activation, n_plans, any_local; /* kv_type: SI4_KV_* */
     float *x, *qkv, *att, *gu, *act, *out, *scores;
     float *part_o, *part_m, *part_l; /* chunked attention's partial results, per unit */
     size_t scores_n, part_units;
@@ -97,29 +98,30 @@ static void Stack_dealloc(StackObject *self) {
 
 static void *addr(PyObject *o) { return PyLong_AsVoidPtr(o); }
 
-/* DecodeStack((d, n_heads, n_kv, head_dim, d_ffn, eps, scale, kv_f16[, activation]),
+/* DecodeStack((d, n_heads, n_kv, head_dim, d_ffn, eps, scale, kv_type[, activation]),
  *             [(attn_norm, qkv, o, gate_up, down, ffn_norm, k_cache, v_cache[, qkv_bias[, q_norm[, k_norm
  *               [, post_attn_norm[, post_ffn_norm[, window[, local]]]]]]]), ...])
  * (a projection: a Matrix / QMatrix or a tuple of them; qkv_bias and the norms: addresses of
- * float32 vectors or None; activation 0 silu-gated, 1 gelu-tanh-gated; window: attend the last
+ * float32 vectors or None; kv_type 0 float, 1 fp16 (True), 2 q8_0; activation 0 silu-gated, 1 gelu-tanh-gated; window: attend the last
  * `window` slots, 0 (or None) all; local: RoPE by step's cis_local). Every option is off by
  * default: a short tuple is a Llama layer. */
 static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     (void)kwds;
-    int d, nh, nkv, hd, ffn, kv_f16, act = 0;
+    int d, nh, nkv, hd, ffn, kv_type, act = 0;
     double eps, scale;
     PyObject *cfg, *layers;
     if (!PyArg_ParseTuple(args, "OO!", &cfg, &PyList_Type, &layers)) return NULL;
     /* the config as a tuple of its own: a nested "(...)" format cannot have optional items */
     PyObject *ct = PySequence_Tuple(cfg);
-    const int ok = ct && PyArg_ParseTuple(ct, "iiiiiddp|i:DecodeStack config", &d, &nh, &nkv, &hd, &ffn, &eps, &scale,
-                                          &kv_f16, &act);
+    const int ok = ct && PyArg_ParseTuple(ct, "iiiiiddi|i:DecodeStack config", &d, &nh, &nkv, &hd, &ffn, &eps, &scale,
+                                          &kv_type, &act);
     Py_XDECREF(ct);
     if (!ok) return NULL;
     const Py_ssize_t L = PyList_GET_SIZE(layers);
     if (L < 1 || d < 1 || nh < 1 || nkv < 1 || nh % nkv || nh > SI4_MAX_HEADS || hd < 2 || hd % 2 || ffn < 1 ||
-        act < 0 || act > 1) {
-        PyErr_SetString(PyExc_ValueError, "DecodeStack: bad shape, or an activation other than 0 (silu) or 1 (gelu-tanh)");
+        act < 0 || act > 1 || kv_type < SI4_KV_F32 || kv_type > SI4_KV_Q8 || (kv_type == SI4_KV_Q8 && hd % 32)) {
+        PyErr_SetString(PyExc_ValueError, "DecodeStack: bad shape, an activation other than 0 (silu) or 1 (gelu-tanh), "
+                                          "or a KV type other than 0 (float), 1 (fp16) or 2 (q8_0, head_dim a multiple of 32)");
         return NULL;
     }
     StackObject *self = (StackObject *)type->tp_alloc(type, 0);
@@ -129,7 +131,7 @@ static PyObject *Stack_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->proj = calloc((size_t)L * N_PROJ, sizeof(proj_t));
     self->attn_norm = calloc((size_t)L, sizeof(float *));
     self->ffn_norm = calloc((size_t)L, sizeof(float *));
-    self->kv_f16 = kv_f16;
+    self->kv_type = kv_type;
     self->k_cache = calloc((size_t)L, sizeof(void *));
     self->qkv_bias = calloc((size_t)L, sizeof(float *));
     self->v_cache = calloc((size_t)L, sizeof(void *));
@@ -282,9 +284,9 @@ static void attend_part(void *arg, int part, int n_parts) {
         const int64_t len = pl->len[b];
         const int i0 = (int)(len * c / nc), i1 = (int)(len * (c + 1) / nc);
         si4_attn_unit unit = {
-            .q = s->qkv + (size_t)b * nqkv, .kc = j->kc, .vc = j->vc, .kv_f16 = s->kv_f16,
+            .q = s->qkv + (size_t)b * nqkv, .kc = j->kc, .vc = j->vc, .kv_type = s->kv_type,
             .slots = j->slots + (size_t)b * j->slot_stride + pl->start[b] + i0,
-            .n_ctx = i1 - i0, .n_kv = nkv, .group = nh / nkv, .hd = hd, .row = (size_t)nkv * hd, .scale = s->scale,
+            .n_ctx = i1 - i0, .n_kv = nkv, .group = nh / nkv, .hd = hd, .scale = s->scale,
             .scores = scores, .out = s->att + (size_t)b * nh * hd,
         };
         if (nc > 1) { /* a chunk: unnormalised, into the partials of unit u */
@@ -376,6 +378,7 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
     int32_t counts[SI4_MAX_BATCH];
     const si4_attend_fn attend = si4_attend_for(si4_current_isa());
     const si4_f16_store_fn store_f16 = si4_f16_store_for(si4_current_isa());
+    const si4_q8_store_fn store_q8 = si4_q8_store_for(si4_current_isa());
     for (int l = 0; l < s->n_layers; l++) {
         const proj_t *m = s->proj + (size_t)l * N_PROJ;
         const float *t = thresholds + (size_t)l * N_PROJ;
@@ -413,7 +416,11 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
                 }
             }
             const float *k = qkv + (size_t)nh * hd, *v = qkv + (size_t)(nh + nkv) * hd;
-            if (s->kv_f16) {
+            if (s->kv_type == SI4_KV_Q8) {
+                const size_t q8_row = (size_t)nkv * ((size_t)hd + (size_t)hd / 16); /* bytes */
+                store_q8((int8_t *)kc + (size_t)slot_new[b] * q8_row, k, nkv, hd);
+                store_q8((int8_t *)vc + (size_t)slot_new[b] * q8_row, v, nkv, hd);
+            } else if (s->kv_type == SI4_KV_F16) {
                 store_f16((uint16_t *)kc + (size_t)slot_new[b] * row, k, (int)row);
                 store_f16((uint16_t *)vc + (size_t)slot_new[b] * row, v, (int)row);
             } else {

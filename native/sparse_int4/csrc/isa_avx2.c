@@ -45,6 +45,8 @@ static inline float hsum256(__m256 v) {
     _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 #define ATTN_NAME si4_attend_avx2
 #define F16_STORE_NAME si4_f16_store_avx2
+#define Q8_STORE_NAME si4_q8_store_avx2
+#define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #include "attn_body.h"
 
 #define PREPARE_NAME si4_prepare_avx2

@@ -65,6 +65,8 @@ static inline __attribute__((always_inline)) int compact16(const float *x, size_
     _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 #define ATTN_NAME si4_attend_avx512
 #define F16_STORE_NAME si4_f16_store_avx512
+#define Q8_STORE_NAME si4_q8_store_avx512
+#define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #include "attn_body.h"
 
 #define PREPARE_NAME si4_prepare_avx512

@@ -74,6 +74,8 @@ static inline uint16_t float_to_half(float f) {
 #define S_TO_F16(f) float_to_half(f)
 #define ATTN_NAME si4_attend_scalar
 #define F16_STORE_NAME si4_f16_store_scalar
+#define Q8_STORE_NAME si4_q8_store_scalar
+#define V_LOAD_I8(p) ((float)*(p))
 #include "attn_body.h"
 
 #define PREPARE_NAME si4_prepare_scalar

@@ -107,13 +107,15 @@ int si8_gemv(si8_kernel_fn kernel, int parts, const int8_t *w, const float *scal
 
 /* One (sequence, chunk of its context) unit of decode attention (attn_body.h; DecodeStack). */
 #define SI4_MAX_HEADS 256
+/* What a KV cache holds: floats, fp16 values, or q8_0 rows (per KV head: hd int8 values, then
+ * an fp16 scale per 32 of them; a position's row is n_kv * (hd + hd / 16) bytes) */
+enum { SI4_KV_F32 = 0, SI4_KV_F16 = 1, SI4_KV_Q8 = 2 };
 typedef struct {
     const float *q;       /* (n_kv * group, hd): the sequence's query heads */
-    const void *kc, *vc;  /* the layer's caches: position slot s at element s * row (n_kv * hd values) */
-    int kv_f16;           /* the caches hold fp16 values (else float) */
+    const void *kc, *vc;  /* the layer's caches: position slot s's row at s * (n_kv heads' bytes) */
+    int kv_type;          /* SI4_KV_* */
     const int64_t *slots; /* the unit's n_ctx context slots */
     int n_ctx, n_kv, group, hd;
-    size_t row;
     float scale;
     float *scores; /* (n_kv * group, n_ctx) scratch */
     float *out;    /* (n_kv * group, hd) */
@@ -123,11 +125,15 @@ typedef void (*si4_attend_fn)(const si4_attn_unit *u);
 void si4_attend_scalar(const si4_attn_unit *u);
 typedef void (*si4_f16_store_fn)(uint16_t *dst, const float *src, int n);
 void si4_f16_store_scalar(uint16_t *dst, const float *src, int n);
+typedef void (*si4_q8_store_fn)(int8_t *dst, const float *src, int n_heads, int hd);
+void si4_q8_store_scalar(int8_t *dst, const float *src, int n_heads, int hd);
 #ifdef LLMLOCAL_X86_VARIANTS
 void si4_attend_avx2(const si4_attn_unit *u);
 void si4_attend_avx512(const si4_attn_unit *u);
 void si4_f16_store_avx2(uint16_t *dst, const float *src, int n);
 void si4_f16_store_avx512(uint16_t *dst, const float *src, int n);
+void si4_q8_store_avx2(int8_t *dst, const float *src, int n_heads, int hd);
+void si4_q8_store_avx512(int8_t *dst, const float *src, int n_heads, int hd);
 #endif
 
 /* Dispatch: 0 scalar, 1 avx2, 2 avx512. */
@@ -138,6 +144,7 @@ si4_prepare_fn si4_prepare_for(int isa);
 si8_kernel_fn si8_kernel_for(int isa);
 si4_attend_fn si4_attend_for(int isa);
 si4_f16_store_fn si4_f16_store_for(int isa);
+si4_q8_store_fn si4_q8_store_for(int isa);
 si4_dequant_fn si4_dequant_for(int isa);
 const char *si4_isa_name(int isa);
 
