@@ -64,7 +64,7 @@ def native_quant(
     zeroed inputs (a predicate: for the tensors it returns True for, by their first part).
     Activations as `default_activations` chooses for the file, or as
     LLMLOCAL_NATIVE_ACTIVATIONS=int8|fp32 says: with fp32 the 4-bit types keep the INT4 kernels
-    (closer to an exact reference, slower: see README), and only the others take the int8 path."""
+    (closer to an exact reference, slower: see docs/backends.md), and only the others take the int8 path."""
     if native_int4(device, dtype) is None:
         return None
     mode = (os.environ.get("LLMLOCAL_NATIVE_ACTIVATIONS") or default_activations(spec)).strip().lower()
