@@ -58,7 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .native_support import NATIVE_TYPES
+from .native_support import FOUR_BIT_TYPES, NATIVE_TYPES
 from .plan import paged_kv_dtype
 
 if TYPE_CHECKING:
@@ -86,6 +86,8 @@ LLAMACPP_SCORE_BYTES_FA = 2.5  # bytes per (KV cell x ubatch token) with flash a
 PAGED_HEAP_CHUNKS = 5  # heap kept after loading, in units of the largest projection's codes
 PAGED_ACT_PER_TOKEN = 38  # bytes per (chunk token x (d + ffn)) of a prefill step, fp32
 PAGED_LOAD_EXTRA = 25 * MIB  # the loader's other transients
+LOAD_THREADS = 4  # layers the loader packs at once, at most (loader.load_gguf's pool)
+EMBED_PAGES_PER_TOKEN = 8192  # an embedding row read from the mapping touches one or two pages
 # ---- assumed (no GPU to measure on) ----
 CUDA_CONTEXT = 400 * MIB  # driver context + cuBLAS workspace, per process and GPU
 TORCH_CUDA_SLACK = 0.05  # caching-allocator fragmentation, as a fraction of the GPU total
@@ -333,6 +335,8 @@ class _PagedWeights:
     embed_f32: int  # one float32 copy of the embedding (the loader's transients)
     int8_head: bool  # a tied embedding of a quantized file is requantized to INT8 at load
     largest_part: int  # elements of the largest projection (sizes the loader's heap leftovers)
+    embed_mapped: bool = False  # rows read from the file's mapping as tokens ask (resident: those)
+    loading_file: int = 0  # file bytes resident at once while loading (the head and the layers being packed)
 
     @property
     def total(self) -> int:
@@ -360,9 +364,18 @@ def _paged_weights(spec: ModelSpec, mode: str, act_bytes: int) -> _PagedWeights:
         if not tied:
             body += _paged_group([t["output.weight"]], mode, act_bytes)
         if emb is not None and mode == "auto" and act_bytes == 4 and _native([emb]):
-            # the CPU path: token rows read from the file's mapped bytes, a tied head packed from them
+            # the CPU path: token rows read from the file's mapped bytes, a tied head packed from
+            # them. The loader lets a layer's file pages go once it is packed (GGUFTensors.
+            # release_pages): at once it holds the head's and those of the layers in flight.
             body += emb.n_bytes if tied else 0
-            return _PagedWeights(body, emb.n_bytes, 0, False, largest)
+            # (A file of 4-bit types only takes the INT4 kernels, whose codes are decoded from
+            # every tensor before any is packed: its pages stay until the end, as before.)
+            head = emb.n_bytes if tied else t["output.weight"].n_bytes
+            layers = [sum(x.n_bytes for n, x in t.items() if n.startswith(f"blk.{i}.")) for i in range(spec.n_layers)]
+            in_flight = head + LOAD_THREADS * max(layers, default=0)
+            four_bit = all(x.ggml_type in FOUR_BIT_TYPES for n, x in t.items() if n.startswith("blk.") and len(x.shape) == 2)
+            return _PagedWeights(body, emb.n_bytes, 0, False, largest, embed_mapped=True,
+                                 loading_file=spec.weight_bytes if four_bit else min(spec.weight_bytes, in_flight))
         int8_head = tied and mode != "dense" and emb is not None and emb.ggml_type not in (F32, F16, BF16)
         embed = n_emb + rows * 4 if int8_head else n_emb * act_bytes  # INT8 rows + an fp32 scale per row
         return _PagedWeights(body, embed, n_emb * 4, int8_head, largest)
@@ -374,7 +387,10 @@ def paged_weight_bytes(spec: ModelSpec, plan: Plan, act_bytes: int) -> int:
     """Bytes of the paged engine's model once loaded: weights, norms, RoPE table."""
     n_ctx = plan.n_ctx or spec.context_length
     rope = n_ctx * (spec.head_dim // 2) * 8  # complex64 rotation factors per position
-    return _paged_weights(spec, plan.weights, act_bytes).total + rope
+    w = _paged_weights(spec, plan.weights, act_bytes)
+    if w.embed_mapped:  # the embedding's pages a context touches: a row a token, two pages at most
+        return w.body + min(w.embed, n_ctx * EMBED_PAGES_PER_TOKEN) + rope
+    return w.total + rope
 
 
 def paged_kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:
@@ -401,12 +417,17 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
     compute = 0
     for m, _ in models:
         layer_act = PAGED_ACT_PER_TOKEN * chunk * (m.d_model + m.d_ffn)
-        # a prefill chunk at depth n_ctx gathers the context's K and V, expands them to all
-        # heads, and hands SDPA a (chunk, n_ctx) mask it turns into floats: no score matrix
-        gathered = 2 * n_ctx * (m.n_kv_heads + m.n_heads) * m.head_dim * act
+        # a prefill chunk at depth n_ctx gathers the context's K and V (and a copy in the run
+        # dtype) and hands SDPA a (chunk, n_ctx) mask it turns into floats: no score matrix.
+        # On the CPU SDPA reads the kv heads for their query heads (torch 2.5+,
+        # attention._SDPA_GQA, measured); on a GPU, unmeasured, K and V expanded to every head
+        heads = 2 * m.n_kv_heads if not on_gpu else m.n_kv_heads + m.n_heads
+        gathered = 2 * n_ctx * heads * m.head_dim * act
         mask = chunk * n_ctx * 5
         logits = plan.max_batch * m.vocab_size * 4
         compute = max(compute, int(layer_act + gathered + mask + logits))
+    if plan.kv_cache_dir:  # a request's blocks read from the disk tier wait in memory for their load
+        compute = max(compute, kv[0] // max(1, blocks) * -(-n_ctx // plan.block_size))
 
     # The tokenizer (llama.cpp's vocabulary-only model, the target's only) and the heap the
     # loader leaves behind: glibc keeps freed chunks below its mmap threshold (at most 32 MiB),
@@ -422,6 +443,8 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
     host_peak = gpu_peak = files = 0
     for (m, _), w, wb, kb in zip(models, tables, weights, kv):
         file_pages = m.weight_bytes if m.format == "gguf" else 0
+        if not on_gpu and w.embed_mapped:
+            file_pages = w.loading_file
         files = max(files, file_pages)
         if on_gpu:
             host_peak = max(host_peak, tokenizer + file_pages + 2 * w.embed_f32 + PAGED_LOAD_EXTRA)

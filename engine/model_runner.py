@@ -102,17 +102,18 @@ class ModelRunner:
         return rows.view(torch.uint8).reshape(len(block_ids), -1).cpu()
 
     @torch.inference_mode()
-    def write_blocks(self, block_ids: list[int], payloads: list[bytearray]) -> None:
-        """Fill blocks with rows laid out as `read_blocks` gives them (one payload a block)."""
-        if not block_ids:
-            return
-        k, _ = self.kv_caches[0]
-        flat = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for p in payloads]).to(self.device)
-        rows = flat.view(k.dtype).view(len(block_ids), 2 * len(self.kv_caches), *k.shape[1:])  # (n, 2L, bs, h, d)
-        idx = torch.tensor(block_ids, device=self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, idx, rows[:, 2 * layer])
-            v.index_copy_(0, idx, rows[:, 2 * layer + 1])
+    def write_blocks(self, block_ids: list[int], payloads: list[bytearray], per_copy: int = 32) -> None:
+        """Fill blocks with rows laid out as `read_blocks` gives them (one payload a block), in
+        copies of ``per_copy`` blocks: the transient beside the payloads stays a few MB."""
+        k0, _ = self.kv_caches[0]
+        for at in range(0, len(block_ids), per_copy):
+            ids, part = block_ids[at : at + per_copy], payloads[at : at + per_copy]
+            flat = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for p in part]).to(self.device)
+            rows = flat.view(k0.dtype).view(len(ids), 2 * len(self.kv_caches), *k0.shape[1:])  # (n, 2L, bs, h, d)
+            idx = torch.tensor(ids, device=self.device)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k.index_copy_(0, idx, rows[:, 2 * layer])
+                v.index_copy_(0, idx, rows[:, 2 * layer + 1])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block src into block dst in every layer."""

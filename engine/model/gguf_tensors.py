@@ -17,6 +17,10 @@ all little-endian, fp16 scales):
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +91,30 @@ class GGUFTensors:
     def shape(self, name: str) -> tuple[int, ...]:
         """numpy shape (slowest dimension first)."""
         return tuple(reversed(self._infos[name].shape))
+
+    def release_pages(self, names: Iterable[str] | None = None) -> None:
+        """Take the file's pages (of the tensors ``names``; None: all) out of this process's
+        resident memory once the load has copied what it keeps: they stay in the page cache, and
+        a later read maps them back (token embedding rows are read so). Loading then holds the
+        packed copy and the pages of the layers being packed, not the whole file twice (the
+        1.5B: 1.9 GiB resident after loading, 0.9 GiB of it the file's pages)."""
+        mm = getattr(self._mmap, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        with contextlib.suppress(OSError, ValueError):
+            if names is None:
+                mm.madvise(mmap.MADV_DONTNEED)
+                return
+            page = mmap.PAGESIZE
+            for name in names:
+                t = self._infos[name]
+                start = self._data_offset + t.offset
+                first, last = -(-start // page) * page, (start + t.n_bytes) // page * page  # whole pages of its own
+                if last > first:
+                    mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    def names(self) -> list[str]:
+        return list(self._infos)
 
     def embedding(self, name: str) -> QuantEmbedding:
         """Row lookups of a quantized (vocab, width) tensor in its own bytes."""

@@ -251,7 +251,9 @@ def load_gguf(
         return _fuse(parts, weights, dtype, device, int4, quant)
 
     def layer(i: int) -> DecoderLayer:
-        return _build_layer(cfg, src, i, permute, fuse)
+        built = _build_layer(cfg, src, i, permute, fuse)
+        t.release_pages([n for n in t.names() if n.startswith(f"blk.{i}.")])  # packed: its file pages may go
+        return built
 
     head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
 
@@ -296,6 +298,7 @@ def load_gguf(
     model = LlamaModel(cfg, embed, layers, norm, lm_head, inv_freq, positions, local_inv_freq).eval()
     if model.embed is not None and weights != "dense" and cfg.tie_embeddings and emb_type not in FLOAT_TYPES:
         model.quantize_tied_head()  # a quantized source: INT8 rows lose next to nothing more
+    t.release_pages()
     return model
 
 
