@@ -295,7 +295,9 @@ class DiskTier:
     def _prepare(self, about: dict[str, object]) -> bool:
         """Make the directory and its description; False (after the warning) if it cannot be."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            # the files hold prompts' token ids: the cache is its owner's alone (as chats.db is)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, exist_ok=True)
             target = self.dir / ABOUT
             if not target.exists():
                 tmp = self.dir / f".{ABOUT}.{os.getpid()}.tmp"

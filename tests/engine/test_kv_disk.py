@@ -51,6 +51,12 @@ def test_blocks_written_are_read_back_byte_for_byte(tmp_path: Path) -> None:
     t.close()
 
 
+def test_the_cache_directories_it_makes_are_its_owners_alone(tmp_path: Path) -> None:
+    t = tier(tmp_path / "cache" / "kv")  # the files hold prompts' token ids
+    t.close()
+    assert [d.stat().st_mode & 0o777 for d in (tmp_path / "cache" / "kv", t.dir)] == [0o700, 0o700]
+
+
 def test_stage_stops_at_the_first_missing_block_and_release_forgets(tmp_path: Path) -> None:
     t = tier(tmp_path)
     blocks = chain(6, t.root_key)
