@@ -5,7 +5,7 @@ out), build the native extension, measure the card's copy bandwidth, run the CUD
 and the paged-attention tests with the Triton kernels compiled (`triton_on_cuda.py`), build a
 random-weight model of Qwen2.5-1.5B's shape on the machine, quantize it with `llmlocal
 quantize`, then `plan`, the planner's prediction against measured GPU memory, `bench decode`,
-`bench batch` and `bench spec` on the GPU. Without one, or with --dry-run: the same steps on
+`bench batch`, `bench spec` and `bench resume` (the disk KV cache) on the GPU. Without one, or with --dry-run: the same steps on
 the CPU with a two-layer model and nothing installed, which is what CI runs.
 
 Each step runs in a process group of its own, stopped at its own cap or at the check's
@@ -251,6 +251,15 @@ class Check:
             s = spec.data
             spec.summary = (f"INT4 self-draft {s['speedup']:.2f}x (acceptance {s['acceptance_rate']:.2f}), n-gram "
                             f"{s['ngram_speedup']:.2f}x; batch 8: {s['batch8']['speedup']:.2f}x")
+        # the prefix cache's disk tier on this device: blocks copied out of the pool, read back
+        resume = self.run("bench resume", self.cli("bench", "resume", "--model", m, "--prompt-tokens",
+                                                   "256" if dry else "2000", "--rounds", "1", "--json"),
+                          300, needs=(quant,))
+        if resume.ok:
+            chat = resume.data["chat"]
+            resume.summary = (f"reopened chat: {chat['cached_prompt_tokens']} of {chat['prompt_tokens']} tokens from disk, "
+                              f"first token {chat['ttft_warm_s']:.2f} s against {chat['ttft_cold_s']:.2f} s cold")
+            resume.goal = _goal(chat["cached_prompt_tokens"] > 0, "blocks read back")
 
     def cli(self, *args: str) -> list[str]:
         """The `llmlocal` command, through the launcher that tokenizes without llama.cpp."""

@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = ["wheelhouse", "install", "native kernels", "bandwidth", "cuda tests", "triton interpreted", "model",
-         "quantize", "plan", "memory", "bench decode", "bench batch", "bench spec"]
+         "quantize", "plan", "memory", "bench decode", "bench batch", "bench spec", "bench resume"]
 
 
 @pytest.mark.timeout(600)
@@ -40,6 +40,7 @@ def test_dry_run_runs_every_step_and_prints_the_table(tmp_path: Path) -> None:
     assert steps["bench decode"]["data"]["backends"]["paged"]["decode_tok_s"] > 0
     assert steps["bench decode"]["data"]["mbu_vs_copy"] > 0
     assert steps["bench batch"]["data"]["paged_batch1_tok_s"] > 0
+    assert steps["bench resume"]["data"]["chat"]["cached_prompt_tokens"] > 0  # the disk tier read its blocks back
     assert steps["triton interpreted"]["data"]["passed"] > 0 and "failed" not in steps["triton interpreted"]["data"]
 
     # the table comes last, a row per step
