@@ -41,6 +41,7 @@ rm -rf "$work/venv"
 
 echo "== answer offline from outside the source tree"
 cd "$work"
+export LLMLOCAL_KV_CACHE_DIR="$work/kv"  # the paged engine's disk cache: not the user's
 out=$(HF_HUB_OFFLINE=1 "$work/venv/bin/llmlocal" run "What color is the sky on a clear day?" \
   --json --temperature 0 --max-tokens 16)
 echo "   $out"

@@ -40,6 +40,19 @@ def _import_triton_for_its_interpreter() -> None:
 _import_triton_for_its_interpreter()
 
 
+def _private_kv_cache() -> None:
+    """The paged engine keeps KV blocks on disk where the CLI runs it (LLMLOCAL_KV_CACHE_DIR,
+    else the user's cache directory): every test, and every process a test starts, gets a
+    directory of its own run instead, so no test reads or writes the user's cache."""
+    import os
+    import tempfile
+
+    os.environ["LLMLOCAL_KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmlocal-test-kv-")
+
+
+_private_kv_cache()
+
+
 @pytest.fixture(scope="session")
 def starter_path() -> str:
     return resolve().path
