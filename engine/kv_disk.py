@@ -251,8 +251,12 @@ class DiskTier:
                     return
                 blocks, rows = self._queue.popleft()
             for i, block in enumerate(blocks):
-                if self._writable and self._write(block, rows[i]):
-                    written_since_trim += self.file_bytes
+                try:
+                    if self._writable and self._write(block, rows[i]):
+                        written_since_trim += self.file_bytes
+                except Exception as e:  # noqa: BLE001 - a bug here must not stop the queue draining (close waits on it)
+                    self._give_up(f"the KV cache writer failed ({type(e).__name__}: {e}); prompts will not be kept "
+                                  "across runs: please report it, and pass --no-kv-cache meanwhile.")
             with self._cv:
                 self._pending -= rows.nbytes
                 self._cv.notify_all()
