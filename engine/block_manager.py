@@ -153,6 +153,15 @@ class BlockManager:
         """The block cached under ``key``, if any."""
         return self._cache.get(key)
 
+    def uncached_prefix(self, token_ids: list[int]) -> list[tuple[int, list[int]]]:
+        """(key, tokens) of the full blocks a sequence of ``token_ids`` could find cached, from
+        the first one this pool lacks on: what a lower tier may hold."""
+        blocks = prefix_blocks(token_ids, self.block_size, self.root_key)
+        first = 0
+        while first < len(blocks) and blocks[first][0] in self._cache:
+            first += 1
+        return blocks[first:]
+
     def free_block_ids(self) -> list[int]:
         """The free blocks in the order they will be handed out (keyless, then LRU cached)."""
         return list(self._free_plain) + list(self._free_cached)

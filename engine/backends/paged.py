@@ -28,7 +28,7 @@ from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
-from ..block_manager import ROOT_KEY, BlockManager, prefix_blocks
+from ..block_manager import ROOT_KEY, BlockManager
 from ..detokenize import TextStream
 from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter
 from ..kv_disk import DiskTier
@@ -47,7 +47,7 @@ from ..step_masks import StepMasks
 from ..tokenizer import Tokenizer, start_tokenizer
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 from .paged_setup import check_same_vocabulary, load_draft, open_disk_tier, pick_device, pick_dtype, pick_kv_dtype
-from .paged_stream import EngineFailure, Stream
+from .paged_stream import EngineFailure, Stream, logprob_rows
 
 # Engines not closed by their owner are closed at interpreter exit, while their threads still
 # run: finalizing the modules under a running decode loop aborted the process.
@@ -196,7 +196,8 @@ class PagedBackend:
         except RequestTooLargeError as e:
             raise LLMLocalError(str(e).replace("give the KV cache more memory", "pass a larger --kv-blocks")) from None
         if self.disk is not None:  # read here, in the caller's thread: the engine thread keeps stepping
-            self._stage_from_disk(seq)
+            # NOTE: the pool is read without the lock: a stale answer costs a read or a recompute
+            self.disk.stage(seq.seq_id, self.blocks.uncached_prefix(seq.token_ids))
         self._inbox.put(seq)
         self._wake.set()
         remaining = p.n
@@ -212,15 +213,6 @@ class PagedBackend:
             if remaining:  # the consumer stopped reading: stop the request's sequences
                 cancel.set()
                 self._wake.set()
-
-    def _stage_from_disk(self, seq: Sequence) -> None:
-        """Read the prompt's full blocks that the pool lacks and the disk has (see `DiskTier`)."""
-        assert self.disk is not None
-        blocks = prefix_blocks(seq.token_ids, self.block_size, self.blocks.root_key)
-        first = 0
-        while first < len(blocks) and self.blocks.lookup(blocks[first][0]) is not None:
-            first += 1  # NOTE: a lock-free read of the engine thread's dict: a stale answer costs a read or a recompute
-        self.disk.stage(seq.seq_id, blocks[first:])
 
     def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> Stream:
         p = request.sampling
@@ -300,7 +292,7 @@ class PagedBackend:
         checks = not plain and all(s.start > 0 and s.num_tokens == 1 + s.seq.num_draft_tokens for s in out.items)
         t0 = time.perf_counter()
         logits, sampled_items = self.runner.execute(items)
-        raw = self._logprob_rows(logits, sampled_items)  # before the masks: the model's own distribution
+        raw = logprob_rows(logits, sampled_items)  # before the masks: the model's own distribution
         if masks is not None:
             StepMasks.apply(logits, sampled_items, masks.result())
         new_tokens = self._sample(logits, sampled_items)
@@ -344,16 +336,6 @@ class PagedBackend:
         for parent, draws in forks:
             for sib, token, lp in draws:
                 self._start_sibling(parent, sib, token, lp)
-
-    @staticmethod
-    def _logprob_rows(logits: torch.Tensor, items: list[StepItem]) -> dict[int, torch.Tensor]:
-        """A copy of the logits rows of the sequences whose requests report logprobs."""
-        out, row = {}, 0
-        for it in items:
-            if it.seq.extra.request.sampling.logprobs is not None:  # type: ignore[union-attr]
-                out[it.seq.seq_id] = logits[row : row + it.num_logits].clone()
-            row += it.num_logits
-        return out
 
     def _sample(self, logits: torch.Tensor, items: list[StepItem]) -> list[list[int]]:
         """The tokens each sampling item produces: one, or (verifying drafts) the kept drafts

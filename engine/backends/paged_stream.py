@@ -12,6 +12,7 @@ import torch
 from ..detokenize import TextStream
 from ..drafter import Proposal
 from ..grammar import Constraint
+from ..model_runner import StepItem
 from ..stats import StatsRecorder
 from ..types import Request, TokenLogprob
 
@@ -43,3 +44,15 @@ class EngineFailure:
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+def logprob_rows(logits: torch.Tensor, items: list[StepItem]) -> dict[int, torch.Tensor]:
+    """A copy of a step's logits rows (each item's ``num_logits``, in order) of the sequences
+    whose requests report logprobs, by sequence id."""
+    out, row = {}, 0
+    for it in items:
+        stream: Stream = it.seq.extra  # type: ignore[assignment]
+        if stream.request.sampling.logprobs is not None:
+            out[it.seq.seq_id] = logits[row : row + it.num_logits].clone()
+        row += it.num_logits
+    return out

@@ -447,3 +447,14 @@ def test_random_operations_keep_every_row_right(seed: int) -> None:
         bm.free(seq)
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_uncached_prefix_starts_at_the_first_full_block_the_pool_lacks() -> None:
+    bm = BlockManager(16, BS)
+    seq = Sequence(1, toks(0, 2 * BS + 1))  # two full blocks computed and cached
+    prefill(bm, seq)
+    longer = toks(0, 5 * BS + 2)  # the same two blocks, then three more full ones, then the last token's
+    keys = keys_of(longer, 5)
+    assert [k for k, _ in bm.uncached_prefix(longer)] == keys[2:]
+    assert [t for _, t in bm.uncached_prefix(longer)] == [longer[i * BS : (i + 1) * BS] for i in range(2, 5)]
+    assert bm.uncached_prefix(toks(0, 2 * BS + 1)) == []  # every full block before the last token's is cached
