@@ -351,8 +351,14 @@ AI quad_src group_quads(const qm_matrix *m, const uint8_t *chunk, int row, unsig
     return q;
 }
 
-/* Half h of quad i's codes (load_half_il's W[0], W[1]). */
+/* Half h of quad i's codes (load_half_il's W[0], W[1]). IL 2: the source is unpack_group's
+ * buffer of this half's vectors, two loads. */
 AI void quad_half(const quad_src *q, unsigned i, const int h, const int BITS, const int IL, __m256i W[2]) {
+    if (IL == 2) {
+        W[0] = _mm256_load_si256((const __m256i *)(q->tile + 64 * (size_t)i));
+        W[1] = _mm256_load_si256((const __m256i *)(q->tile + 64 * (size_t)i + 32));
+        return;
+    }
     if (IL) {
         load_half_il(q->tile + (size_t)i * (16 * BITS), h, BITS, W);
         return;
@@ -365,6 +371,18 @@ AI void quad_half(const quad_src *q, unsigned i, const int h, const int BITS, co
     W[1] = Q[2 * h + 1];
 }
 #define NB_MAX 4 /* rows of x per pass over a half */
+
+/* Half h of a group's quads (from p) unpacked into buf, 64 bytes a quad (W[0], W[1]): prefill's
+ * passes of NB_MAX rows of x read them from there (quad_half's IL 2) instead of unpacking the
+ * codes again in every pass, and they are AMX's B tile as they are. */
+AI void unpack_group(const quad_src *p, const int h, const int BITS, const int IL, uint8_t *buf) {
+    for (int i = 0; i < (BITS == 6 ? 16 : 32) / 4; i++) {
+        __m256i W[2];
+        quad_half(p, (unsigned)i, h, BITS, IL, W);
+        _mm256_store_si256((__m256i *)(buf + 64 * i), W[0]);
+        _mm256_store_si256((__m256i *)(buf + 64 * i + 32), W[1]);
+    }
+}
 
 /* A chunk's factors from row n on: factor f of rows n .. n + 7 at [fs f] (d and m per
  * super-block for the K-quants and Q6_K, per group of 32 for the others; sc per group; mn per
@@ -475,21 +493,127 @@ AI void group_sums_il(const quad_src *p, const int8_t *qx, size_t qs, const int 
     }
 }
 
-/* One row of x's float update by a group's int32 sums (the same operations on every path).
- * Q6_K: `first` is the first group of a block of 32, whose sums wait for the second's. */
-AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, const int KIND, int first) {
+/* mac_quad on one code vector, the sums passed by value. */
+AI __m256i mac1(__m256i acc, __m256i W, __m256i xq, const int BITS) {
+    if (BITS == 8) {
+#if QM_VNNI
+        return QM_DPBUSD(acc, _mm256_sign_epi8(xq, xq), _mm256_sign_epi8(W, xq));
+#else
+        return _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(W, xq)); /* one quad a run */
+#endif
+    }
+#if QM_VNNI
+    return QM_DPBUSD(acc, W, xq);
+#else
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(W, xq));
+#endif
+}
+
+/* group_sums_il for four rows of x (a pass of prefill, of a verification or of a batch), written
+ * out: the eight sums are named values that stay in registers for the whole group. On AVX2 the
+ * four rows' multiply-adds of a quad are one asm block with its two temporaries named: in C, GCC
+ * (12) kept two of the sums on the stack, a store-to-load chain through every quad, and copied
+ * the others between registers (16 ymm hold the 8 sums, 2 code vectors, the nibble mask and the
+ * temporaries). The same integers as group_sums_il. */
+AI void group_sums4_il(const quad_src *p, const int8_t *qx, size_t qs, const int h, const int BITS, const int KIND,
+                       const int IL, const fac8 f[2], __m256i acc[NB_MAX][2]) {
+    const int NQ = (BITS == 6 ? 16 : 32) / 4, RUN = QUADS_PER_RUN(BITS) < NQ ? QUADS_PER_RUN(BITS) : NQ;
+    const int8_t *x0 = qx, *x1 = qx + qs, *x2 = qx + 2 * qs, *x3 = qx + 3 * qs;
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int i0 = 0; i0 < NQ; i0 += RUN) {
+        __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
+#pragma GCC unroll 2
+        for (int i = i0; i < i0 + RUN; i++) {
+            __m256i W[2];
+            quad_half(p, (unsigned)i, h, BITS, IL, W);
+#if !QM_VNNI
+            if (BITS != 8) {
+                __m256i xt, tt;
+                __asm__("vpbroadcastd %[m0], %[x]\n\t"
+                        "vpmaddubsw %[x], %[w0], %[t]\n\t"
+                        "vpaddw %[t], %[s00], %[s00]\n\t"
+                        "vpmaddubsw %[x], %[w1], %[t]\n\t"
+                        "vpaddw %[t], %[s01], %[s01]\n\t"
+                        "vpbroadcastd %[m1], %[x]\n\t"
+                        "vpmaddubsw %[x], %[w0], %[t]\n\t"
+                        "vpaddw %[t], %[s10], %[s10]\n\t"
+                        "vpmaddubsw %[x], %[w1], %[t]\n\t"
+                        "vpaddw %[t], %[s11], %[s11]\n\t"
+                        "vpbroadcastd %[m2], %[x]\n\t"
+                        "vpmaddubsw %[x], %[w0], %[t]\n\t"
+                        "vpaddw %[t], %[s20], %[s20]\n\t"
+                        "vpmaddubsw %[x], %[w1], %[t]\n\t"
+                        "vpaddw %[t], %[s21], %[s21]\n\t"
+                        "vpbroadcastd %[m3], %[x]\n\t"
+                        "vpmaddubsw %[x], %[w0], %[t]\n\t"
+                        "vpaddw %[t], %[s30], %[s30]\n\t"
+                        "vpmaddubsw %[x], %[w1], %[t]\n\t"
+                        "vpaddw %[t], %[s31], %[s31]"
+                        : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),
+                          [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31), [x] "=&x"(xt), [t] "=&x"(tt)
+                        : [w0] "x"(W[0]), [w1] "x"(W[1]), [m0] "m"(*(const int32_t *)(x0 + 4 * i)),
+                          [m1] "m"(*(const int32_t *)(x1 + 4 * i)), [m2] "m"(*(const int32_t *)(x2 + 4 * i)),
+                          [m3] "m"(*(const int32_t *)(x3 + 4 * i)));
+                continue;
+            }
+#endif
+#define QM_ROW(xb, s0, s1)                                                                    \
+    do {                                                                                      \
+        int32_t q;                                                                            \
+        memcpy(&q, (xb) + 4 * i, 4);                                                          \
+        const __m256i xq = _mm256_set1_epi32(q);                                              \
+        s0 = mac1(s0, W[0], xq, BITS);                                                        \
+        s1 = mac1(s1, W[1], xq, BITS);                                                        \
+    } while (0)
+            QM_ROW(x0, s00, s01);
+            QM_ROW(x1, s10, s11);
+            QM_ROW(x2, s20, s21);
+            QM_ROW(x3, s30, s31);
+#undef QM_ROW
+        }
+        const int W8 = INT_SCALED(KIND);
+        a00 = _mm256_add_epi32(a00, widen(s00, f[0].wt, W8)), a01 = _mm256_add_epi32(a01, widen(s01, f[1].wt, W8));
+        a10 = _mm256_add_epi32(a10, widen(s10, f[0].wt, W8)), a11 = _mm256_add_epi32(a11, widen(s11, f[1].wt, W8));
+        a20 = _mm256_add_epi32(a20, widen(s20, f[0].wt, W8)), a21 = _mm256_add_epi32(a21, widen(s21, f[1].wt, W8));
+        a30 = _mm256_add_epi32(a30, widen(s30, f[0].wt, W8)), a31 = _mm256_add_epi32(a31, widen(s31, f[1].wt, W8));
+    }
+    acc[0][0] = a00, acc[0][1] = a01, acc[1][0] = a10, acc[1][1] = a11;
+    acc[2][0] = a20, acc[2][1] = a21, acc[3][0] = a30, acc[3][1] = a31;
+}
+
+/* One row of x's float update by a group's int32 sums (the same operations on every path),
+ * its dx and xs broadcast. Q6_K: `first` is the first group of a block of 32, whose sums wait
+ * for the second's. */
+AI void group_update_v(acc8 *s, const fac8 *f, __m256i acc, __m256 dx, __m256 xs, const int KIND, int first) {
     if (KIND == KIND_PLAIN) {
-        s->y = flush(s->y, f->D, f->M, dx, xs, acc);
+        const __m256 t = _mm256_fmadd_ps(f->M, xs, s->y); /* flush's operations */
+        s->y = _mm256_fmadd_ps(_mm256_mul_ps(f->D, dx), _mm256_cvtepi32_ps(acc), t);
         return;
     }
-    s->fm = _mm256_fmadd_ps(f->mnf, _mm256_set1_ps(xs), s->fm);
+    s->fm = _mm256_fmadd_ps(f->mnf, xs, s->fm);
     if (KIND == KIND_KQ) { /* a group is a block of 32 */
         const __m256 sums = INT_SCALED(KIND) ? _mm256_cvtepi32_ps(acc) : _mm256_mul_ps(_mm256_cvtepi32_ps(acc), f->wf);
-        s->fs = _mm256_fmadd_ps(sums, _mm256_set1_ps(dx), s->fs);
+        s->fs = _mm256_fmadd_ps(sums, dx, s->fs);
     } else if (first) {
         s->blk = acc;
     } else {
-        s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s->blk, acc)), _mm256_set1_ps(dx), s->fs);
+        s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s->blk, acc)), dx, s->fs);
+    }
+}
+
+AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, const int KIND, int first) {
+    group_update_v(s, f, acc, _mm256_set1_ps(dx), _mm256_set1_ps(xs), KIND, first);
+}
+
+/* group_update of BB rows of x (their sums in s[0 .. BB)): row b's dx at dx[b * dx_stride], its
+ * xs at xs[b], each broadcast straight from memory (passed as floats, GCC kept them on the
+ * stack and recomputed every address from the pass's indices). */
+AI void rows_update(acc8 (*s)[2], const fac8 f[2], __m256i acc[NB_MAX][2], const float *dx, size_t dx_stride,
+                    const float *xs, const int BB, const int KIND, int first) {
+    for (int b = 0; b < BB; b++) {
+        const __m256 dxv = _mm256_broadcast_ss(dx + (size_t)b * dx_stride), xsv = _mm256_broadcast_ss(xs + b);
+        group_update_v(&s[b][0], &f[0], acc[b][0], dxv, xsv, KIND, first);
+        group_update_v(&s[b][1], &f[1], acc[b][1], dxv, xsv, KIND, first);
     }
 }
 
@@ -915,16 +1039,6 @@ static inline void amx_configure(unsigned group) {
     _tile_loadconfig(&c);
 }
 
-/* B: the codes of a group's quads (tile at p), unpacked as the VNNI kernel unpacks them, a
- * row of 64 bytes per quad. */
-AI void amx_unpack(const quad_src *p, const int h, const int BITS, const int IL, uint8_t *bt) {
-    for (int i = 0; i < (BITS == 6 ? 16 : 32) / 4; i++) {
-        __m256i W[2];
-        quad_half(p, (unsigned)i, h, BITS, IL, W);
-        _mm256_store_si256((__m256i *)(bt + 64 * i), W[0]);
-        _mm256_store_si256((__m256i *)(bt + 64 * i + 32), W[1]);
-    }
-}
 
 /* C tile c (0 .. 3: tiles 0, 3, 4, 5) = the 16 rows of x at `x` (through A tile 1 or 6, by
  * parity) times B (tile 2); the tile numbers are immediates, hence the switches. */
@@ -966,6 +1080,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
     const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS), qs = a->qx_stride;
     const chunk_fac cf = chunk_factors(m, n);
     acc8 reg[NB_MAX][2], (*s)[2] = big ? big : reg;
+    uint8_t unpacked[8 * 64] __attribute__((aligned(32))); /* a group's quads of this half (unpack_group) */
     unsigned R = 0; /* rows of x whose sums the tile multiply makes: whole blocks of 16, in prefill */
 #ifdef QM_AMX
     acc16 *st = tiled;
@@ -996,12 +1111,12 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
                 /* this group's tile multiplies first, then the next group's codes unpacked while
                  * they run, then this group's float updates from their sums */
                 uint8_t *bt = bts[g % 2];
-                if (g == 0) amx_unpack(&p, h, BITS, IL, bt);
+                if (g == 0) unpack_group(&p, h, BITS, IL, bt);
                 _tile_loadd(2, bt, 64);
                 for (unsigned c = 0; c < R / 16; c++) AMX_BLOCK(c, qx + (size_t)(16 * c) * qs, qs, BITS);
                 if (g + 1 < G) {
                     const quad_src next = group_quads(m, chunk, n - 16 * h, g + 1, tile_bytes, 0, IL);
-                    amx_unpack(&next, h, BITS, IL, bts[(g + 1) % 2]);
+                    unpack_group(&next, h, BITS, IL, bts[(g + 1) % 2]);
                 }
                 const fac16 F = join_factors(f, KIND);
                 for (unsigned c = 0; c < R / 16; c++) {
@@ -1014,23 +1129,31 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
                 }
             }
 #endif
+            /* prefill: the group's codes unpacked once for all passes of NB_MAX rows */
+            const quad_src u = {unpacked, NULL, 0};
+            if (big && B - R > NB_MAX) unpack_group(&p, h, BITS, IL, unpacked);
             for (unsigned c0 = big ? R : (unsigned)b0; c0 < (big ? B : (unsigned)b0 + 1); c0 += NB_MAX) {
                 const unsigned rows = big ? (B - c0 < NB_MAX ? B - c0 : NB_MAX) : (unsigned)BB, r0 = big ? c0 : 0;
                 __m256i acc[NB_MAX][2];
-#define PASS_ROWS(BB_)                                                                                          \
+#define PASS_ROWS(SRC, IL_, BB_)                                                                               \
     do {                                                                                                        \
-        group_sums_il(&p, qx + (size_t)c0 * qs, qs, h, BB_, BITS, KIND, IL, f, acc);                                  \
-        for (int b = 0; b < BB_; b++)                                                                           \
-            for (int t = 0; t < 2; t++)                                                                         \
-                group_update(&s[r0 + b][t], &f[t], acc[b][t], a->dx[(size_t)(c0 + b) * a->dx_stride + qb],      \
-                             a->xs[(size_t)g * B + c0 + b], KIND, j % 2 == 0);                                  \
+        if (BB_ == 4) group_sums4_il(SRC, qx + (size_t)c0 * qs, qs, h, BITS, KIND, IL_, f, acc);                \
+        else group_sums_il(SRC, qx + (size_t)c0 * qs, qs, h, BB_, BITS, KIND, IL_, f, acc);                     \
+        rows_update(s + r0, f, acc, a->dx + (size_t)c0 * a->dx_stride + qb, a->dx_stride, a->xs + (size_t)g * B + c0,  \
+                    BB_, KIND, j % 2 == 0);                                                                     \
     } while (0)
-                if (!big) PASS_ROWS(BB);
+                if (!big) PASS_ROWS(&p, IL, BB);
+                else if (B - R <= NB_MAX) switch (rows) { /* one pass: the codes as they are */
+                    case 1: PASS_ROWS(&p, IL, 1); break;
+                    case 2: PASS_ROWS(&p, IL, 2); break;
+                    case 3: PASS_ROWS(&p, IL, 3); break;
+                    default: PASS_ROWS(&p, IL, 4); break;
+                    }
                 else switch (rows) {
-                    case 1: PASS_ROWS(1); break;
-                    case 2: PASS_ROWS(2); break;
-                    case 3: PASS_ROWS(3); break;
-                    default: PASS_ROWS(4); break;
+                    case 1: PASS_ROWS(&u, 2, 1); break;
+                    case 2: PASS_ROWS(&u, 2, 2); break;
+                    case 3: PASS_ROWS(&u, 2, 3); break;
+                    default: PASS_ROWS(&u, 2, 4); break;
                     }
 #undef PASS_ROWS
             }
