@@ -58,8 +58,11 @@ def current_build() -> str:
 
 def build_ref(ref: str) -> str:
     """The extension built from git ref ``ref``'s C sources (cached by commit)."""
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{ref}^{{commit}}"], check=True,
-                         capture_output=True, text=True).stdout.strip()
+    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode:
+        raise SystemExit(f"{ref} is neither a built _kernels*.so nor a commit of this repository: name one of them.")
+    sha = found.stdout.strip()
     home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     out = home / "llmlocal-dev" / "ab" / sha[:12]
     built = sorted(out.glob("build/**/_kernels*.so"))

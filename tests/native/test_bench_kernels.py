@@ -61,3 +61,25 @@ def test_the_cli_refuses_an_unknown_type_by_name(capsys: pytest.CaptureFixture[s
 
     assert cli.main(["bench", "kernels", "--types", "Q4_K,Q3_K"]) == 2
     assert "Q3_K" in capsys.readouterr().err
+
+
+def test_ab_runs_two_builds_in_turns_and_reports_their_ratio() -> None:
+    """The A/B harness loads a build from its path in fresh processes (here this build against
+    itself): a ratio per type and row count, from both builds' own times."""
+    from llmlocal.native.sparse_int4 import ab_kernels
+
+    so = ab_kernels.current_build()
+    args = {"types": ["Q4_K"], "rows": [1, 2], "kernel": None, "threads": 1, "mb": 1, "repeats": 1}
+    res = ab_kernels.ab(so, so, args, rounds=2)
+    t = res["types"]["Q4_K"]
+    assert res["rounds"] == 2 and res["rows"] == [1, 2]
+    for lo, med, hi, b, n in zip(t["speedup_min"], t["speedup_median"], t["speedup_max"], t["base_ms"], t["new_ms"]):
+        assert 0 < lo <= med <= hi and b > 0 and n > 0
+    assert "Q4_K" in ab_kernels.format_table(res)
+
+
+def test_ab_refuses_a_ref_that_is_not_a_commit() -> None:
+    from llmlocal.native.sparse_int4 import ab_kernels
+
+    with pytest.raises(SystemExit, match="neither a built"):
+        ab_kernels.resolve("no-such-ref-anywhere")
