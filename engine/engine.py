@@ -18,8 +18,10 @@ report its context window.
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from llmlocal.models import ResolvedModel, resolve
@@ -30,7 +32,7 @@ from .backends.base import Backend
 from .chat_template import ChatTemplate, fallback_template, template_source
 from .grammar import check_grammar
 from .hardware import simd_features
-from .native_support import decodes_faster_natively
+from .native_support import paged_pays
 from .plan import DEFAULT_MAX_CTX, Plan
 from .tokenizer import start_tokenizer
 from .types import Event, Message, Request
@@ -80,11 +82,12 @@ class Engine:
         elif backend_name in ("paged", "sparse"):
             # our engines tokenize themselves: the vocabulary loads while torch is imported
             tokenizer = start_tokenizer(model.path, model.spec.format == "gguf")
-            if backend_name == "paged":
-                from .backends.paged import PagedBackend as Ours
-            else:
-                from .backends.sparse import SparseBackend as Ours
-            backend = Ours.load(model, plan, tokenizer=tokenizer)
+            with _no_gc():
+                if backend_name == "paged":
+                    from .backends.paged import PagedBackend as Ours
+                else:
+                    from .backends.sparse import SparseBackend as Ours
+                backend = Ours.load(model, plan, tokenizer=tokenizer)
         else:  # Plan validates the name; a new backend must be wired in here.
             raise LLMLocalError(f"The backend '{backend_name}' is not available in this build.")
         return cls(backend, model, plan.replace(backend=backend_name))
@@ -251,16 +254,31 @@ def _auto_backend(model: ResolvedModel, plan: Plan) -> str:
     """A Hugging Face checkpoint, or a CUDA device: our paged engine. A GGUF on the CPU: the
     sparse engine when the file carries calibrated activation sparsity (and the native kernels
     were built), the paged engine where its native kernels decode the file faster than
-    llama.cpp on this CPU (as the planner prefers), else llama.cpp."""
+    llama.cpp on this CPU, or as fast with the prefix cache's disk tier on (as the planner
+    prefers: native_support.paged_pays), else llama.cpp."""
     if model.spec.format != "gguf":
         return "paged"
     if plan.device == "cuda" or (plan.device == "auto" and _cuda_available()):
         return "paged"
     if model.spec.sparsity is not None and sparse_int4_runtime.built():
         return "sparse"
-    if decodes_faster_natively(model.spec, simd_features()):
+    if paged_pays(model.spec, simd_features(), plan.kv_cache_dir is not None):
         return "paged"
     return "llamacpp"
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic garbage collector off while a model loads: importing torch and building the
+    model make hundreds of thousands of objects that all live on, and collections triggered by
+    their count walked them again and again (a tenth of the 1.5B's load on the paged engine)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _cuda_available() -> bool:

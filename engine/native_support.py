@@ -39,6 +39,25 @@ def decodes_faster_natively(spec: ModelSpec, simd: frozenset[str]) -> bool:
     return FASTER_ON in simd and runs_natively(spec)
 
 
+# CPU features on which the native kernels decode at parity with llama.cpp at its best setting:
+# AVX2 with FMA and F16C, the kernels' AVX2 path (a 2-vCPU AMD EPYC, Zen 3: Qwen2.5-Coder-1.5B
+# Q4_K_M 1.07x, the 0.5B 1.02x, a 1,037-token prefill 1.07x). There the paged engine is worth its
+# slower load for its prefix cache: with the disk tier on, a chat's history or a server's system
+# prompt is never prefilled twice, across restarts too, which llama.cpp does not do.
+PARITY_ON = frozenset({"avx2", "fma", "f16c"})
+PARITY_ON_NAME = "AVX2"
+
+
+def paged_pays(spec: ModelSpec, simd: frozenset[str], disk_cache: bool) -> bool:
+    """Whether `auto` gives this GGUF the paged engine on a CPU with ``simd``: where its kernels
+    decode faster than llama.cpp, or at parity (AVX2) when the prefix cache keeps a disk tier
+    (``disk_cache``: the plan's kv_cache_dir), whose saved prefills outweigh llama.cpp's quicker
+    load; with --no-kv-cache there, llama.cpp."""
+    if decodes_faster_natively(spec, simd):
+        return True
+    return disk_cache and PARITY_ON <= simd and runs_natively(spec)
+
+
 FOUR_BIT_TYPES = frozenset({2, 3, 12})  # Q4_0 Q4_1 Q4_K: fp32 activations, every projection skips
 
 

@@ -19,8 +19,8 @@ order is, most important first:
     7. draft model on
     8. the backend preferred on the device: paged on CUDA; on a CPU sparse for a file with
        calibrated sparsity where skipping pays (native_support.sparse_pays), paged where its
-       native kernels decode the file faster than llama.cpp on this CPU
-       (native_support.decodes_faster_natively), else llamacpp
+       native kernels decode the file faster than llama.cpp on this CPU, or as fast with the
+       prefix cache's disk tier on (native_support.paged_pays), else llamacpp
     9. more batch slots
    10. less memory
 """
@@ -36,7 +36,7 @@ from llmlocal.models.sizes import format_size
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .hardware import Hardware
-from .native_support import FASTER_ON_NAME, decodes_faster_natively, runs_natively, sparse_pays
+from .native_support import FASTER_ON_NAME, PARITY_ON, PARITY_ON_NAME, decodes_faster_natively, paged_pays, runs_natively, sparse_pays
 from .plan import Plan
 from .plan_search import (
     BACKENDS,
@@ -101,13 +101,14 @@ def _key(c: Candidate, has_gpu: bool, wanted: int, cpu_default: str = "llamacpp"
     )
 
 
-def _cpu_backend(spec: ModelSpec, simd: frozenset[str]) -> str:
+def _cpu_backend(spec: ModelSpec, simd: frozenset[str], disk_cache: bool) -> str:
     """The backend preferred on a CPU: sparse for a file with calibrated sparsity where skipping
     pays (native_support.sparse_pays), paged where its native kernels decode the file faster
-    than llama.cpp on this CPU, else llama.cpp (which runs a calibrated file densely)."""
+    than llama.cpp on this CPU or as fast with the disk KV cache on (``disk_cache``), else
+    llama.cpp (which runs a calibrated file densely)."""
     if getattr(spec, "sparsity", None) is not None and sparse_pays(spec, simd):
         return "sparse"
-    return "paged" if decodes_faster_natively(spec, simd) else "llamacpp"
+    return "paged" if paged_pays(spec, simd, disk_cache) else "llamacpp"
 
 
 _KEY_WORDS = (
@@ -147,7 +148,7 @@ def choose(
     if not cands:
         raise LLMLocalError(_no_candidate(variants, hardware, pins))
     wanted = {id(s): pins.n_ctx or default_ctx(s) for s in variants}
-    cpu_default = {id(s): _cpu_backend(s, hardware.simd) for s in variants}
+    cpu_default = {id(s): _cpu_backend(s, hardware.simd, base.kv_cache_dir is not None) for s in variants}
     ranked = sorted(
         (Candidate(c.plan, c.spec, c.devices, c.budgets, _key(c, has_gpu, wanted[id(c.spec)], cpu_default[id(c.spec)]))
          for c in cands),
@@ -246,9 +247,16 @@ def _cpu_backend_reason(best: Candidate, hw: Hardware, pins: Pins) -> str | None
         return None
     if p.backend == "paged" and decodes_faster_natively(spec, hw.simd):
         return f"paged: llmlocal's own kernels decode this file's types faster than llama.cpp on a CPU with {FASTER_ON_NAME}"
+    if p.backend == "paged" and p.kv_cache_dir is not None and PARITY_ON <= hw.simd and runs_natively(spec):
+        return (f"paged: on {PARITY_ON_NAME} llmlocal's own kernels decode this file about as fast as llama.cpp, and its "
+                "prefix cache keeps prompts on disk, so a chat's history or a repeated system prompt is never "
+                "prefilled twice, across restarts too (--no-kv-cache: llama.cpp, which loads sooner)")
     if p.backend == "llamacpp" and runs_natively(spec):
-        return (f"llamacpp: on a CPU without {FASTER_ON_NAME} llmlocal's own kernels decode this file about as fast "
-                "and load it slower (--backend paged batches requests, caches prefixes and drafts)")
+        if PARITY_ON <= hw.simd:
+            return (f"llamacpp: on a CPU without {FASTER_ON_NAME} llmlocal's own kernels decode this file about as fast "
+                    "and load it slower, and the disk KV cache that makes them worth it is off")
+        return (f"llamacpp: on a CPU without {FASTER_ON_NAME} or {PARITY_ON_NAME} llmlocal's own kernels decode this "
+                "file slower (--backend paged batches requests, caches prefixes and drafts)")
     return None
 
 
@@ -296,7 +304,7 @@ def _nothing_fits(
         loose = Pins(**{**pins.__dict__, name: None})
         fit = [c for c in candidates(variants, hw, loose, base, draft, backends) if c.fits]
         if fit:
-            cpu_default = {id(s): _cpu_backend(s, hw.simd) for s in variants}
+            cpu_default = {id(s): _cpu_backend(s, hw.simd, base.kv_cache_dir is not None) for s in variants}
             best = max(fit, key=lambda c: _key(c, bool(hw.gpus), pins.n_ctx or default_ctx(c.spec), cpu_default[id(c.spec)]))
             value = {"n_ctx": best.plan.n_ctx, "gpu_layers": best.plan.gpu_layers, "backend": best.plan.backend,
                      "draft": "off", "kv_blocks": best.plan.kv_blocks, "device": best.plan.device}[name]

@@ -251,8 +251,11 @@ def planner_verdict(spec: Any) -> dict[str, Any]:
 
     if spec.format not in ("gguf", "hf"):
         return {"verdict": "the server decides: a remote model is not planned here", "reasons": []}
-    try:
-        choice = choose([spec], probe())
+    from llmlocal.engine import Plan
+    from llmlocal.engine.kv_disk import default_dir
+
+    try:  # as chat and run plan it: the prefix cache's disk tier on, as they keep it by default
+        choice = choose([spec], probe(), base=Plan(kv_cache_dir=str(default_dir())))
     except LLMLocalError as e:
         return {"verdict": str(e), "reasons": []}
     return {"verdict": choice.chosen.describe(), "reasons": list(choice.reasons)}

@@ -140,6 +140,25 @@ def test_laptop_runs_the_starter_on_llamacpp_at_its_full_context() -> None:
     assert "runner-up: paged on the CPU" in _reasons(c) and "lost on the backend not preferred" in _reasons(c)
 
 
+def test_on_avx2_the_disk_kv_cache_tips_the_starter_to_the_paged_engine_and_says_why(tmp_path) -> None:
+    """On AVX2 the native kernels decode at parity with llama.cpp: with the prefix cache's disk
+    tier on (what chat, run and serve keep by default), `auto` takes the paged engine, whose
+    cache saves whole prefills; with --no-kv-cache llama.cpp, which loads sooner."""
+    cached = choose([smollm2()], LAPTOP_8GB, base=Plan(kv_cache_dir=str(tmp_path)))
+    assert (cached.plan.backend, cached.plan.device) == ("paged", "cpu")
+    assert "paged: on AVX2 llmlocal's own kernels decode this file about as fast as llama.cpp" in _reasons(cached)
+    assert "never prefilled twice" in _reasons(cached) and "--no-kv-cache" in _reasons(cached)
+    off = choose([smollm2()], LAPTOP_8GB, base=Plan(kv_cache_dir=None))
+    assert off.plan.backend == "llamacpp" and "the disk KV cache that makes them worth it is off" in _reasons(off)
+    # without AVX2 (FMA, F16C) the kernels' portable path decodes slower: llama.cpp either way
+    old = Hardware(total_ram=8 * GIB, available_ram=int(5.5 * GIB), physical_cores=4, simd=frozenset({"sse3", "ssse3", "avx"}))
+    slow = choose([smollm2()], old, base=Plan(kv_cache_dir=str(tmp_path)))
+    assert slow.plan.backend == "llamacpp" and "decode this file slower" in _reasons(slow)
+    # a type the native kernels do not read keeps llama.cpp
+    f16 = model("SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, 8192, "F16", tied=True)
+    assert choose([f16], LAPTOP_8GB, base=Plan(kv_cache_dir=str(tmp_path))).plan.backend == "llamacpp"
+
+
 def test_a_cpu_with_avx512_vnni_runs_the_starter_in_the_paged_engine_and_says_why() -> None:
     """Where llmlocal's native kernels were measured faster than llama.cpp (AVX512-VNNI), a file
     they run whole goes to the paged engine; on AVX2 alone (above) to llama.cpp, with the reason."""
