@@ -1190,8 +1190,13 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
                   const int IL) {
     const int B = a->batch;
     const int pf0 = IL ? si4_prefetch_ahead * BITS / 4 * 4 : 0;
-    acc8 (*big)[2] = NULL; /* prefill: every row's sums */
-    if (B > SI4_MAX_BATCH && !(big = aligned_alloc(32, sizeof(acc8) * 2 * (size_t)B))) return;
+    /* prefill, and on 256-bit registers any call of more than one pass: every row's sums in
+     * memory, groups outer, each group's codes unpacked once for all passes (a decode pass
+     * holds its rows' sums in registers over all of K, and 5-8 rows took two such passes,
+     * each unpacking every code again) */
+    const int big_from = QM_ZMM ? SI4_MAX_BATCH : NB_MAX;
+    acc8 (*big)[2] = NULL;
+    if (B > big_from && !(big = aligned_alloc(32, sizeof(acc8) * 2 * (size_t)B))) return;
     void *tiled = NULL; /* prefill's rows by AMX: their sums (acc16) */
 #ifdef QM_AMX
     if (big && B >= 16 && (tiled = aligned_alloc(64, sizeof(acc16) * (size_t)B))) amx_configure(BITS == 6 ? 16 : 32);
