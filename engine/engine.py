@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from llmlocal.models import ResolvedModel, resolve
-from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.errors import ContextOverflowError, LLMLocalError
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .backends.base import Backend
@@ -40,10 +40,6 @@ from .types import Event, Message, Request
 if TYPE_CHECKING:
     import numpy as np
     from typing_extensions import Self
-
-
-class ContextOverflowError(LLMLocalError):
-    """The prompt does not fit the context window."""
 
 
 class Engine:

@@ -76,7 +76,7 @@ KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 va
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 LLAMACPP_CTX_PAD = 256  # llama.cpp rounds n_ctx up to a multiple of this
 
-# ---- fitted constants (see the module docstring; `python -m llmlocal.engine.memory_check`) ----
+# ---- fitted constants (see the module docstring; `python -m llmlocal.app.bench.memory_check`) ----
 LLAMACPP_OVERHEAD = int(7.5 * MIB)  # graph metadata, sampler, library pages the kernels touch: fixed part
 LLAMACPP_OVERHEAD_PER_VOCAB = 346  # bytes per vocabulary entry
 LLAMACPP_OVERHEAD_PER_CTX = 190  # bytes per context cell (cell metadata, token buffers)

@@ -17,7 +17,7 @@ def runs_natively(spec: ModelSpec) -> bool:
     and the embedding in the native kernels, in the file's own types (the build has them)."""
     from llmlocal.native.sparse_int4 import runtime
 
-    from .plan_search import PAGED_ARCHS
+    from llmlocal.models.tensor_names import PAGED_ARCHS
 
     if spec.format != "gguf" or spec.architecture not in PAGED_ARCHS or not runtime.built():
         return False

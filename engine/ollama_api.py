@@ -43,11 +43,10 @@ from datetime import datetime, timezone
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.errors import ContextOverflowError, LLMLocalError
 from llmlocal.models.spec import ModelSpec
 
-from .engine import ContextOverflowError
-from .serve import FINISH, APIError, number, refuse_unknown, stop_strings
+from .serve_protocol import FINISH, APIError, number, refuse_unknown, stop_strings
 from .tool_calls import ToolCallStream, check_tools, parse_tool_calls, tool_request
 from .types import DoneEvent, Grammar, Message, Request, SamplingParams, Stats, TokenEvent, ToolCall
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmlocal.models.errors import LLMLocalError
 
-from .serve import FINISH, APIError, number, refuse_unknown, stop_strings
+from .serve_protocol import FINISH, APIError, number, refuse_unknown, stop_strings
 from .tool_calls import ToolCallStream, call_grammar, check_tools, parse_tool_calls, tag_ids, tool_request
 from .types import DoneEvent, Grammar, Message, Request, SamplingParams, TokenEvent, TokenLogprob, ToolCall
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmlocal.models.sizes import format_size
-from llmlocal.models.tensor_names import ENGINE_ARCHS, HF_TO_GGUF_ARCH
+from llmlocal.models.tensor_names import PAGED_ARCHS
 
 from .hardware import Hardware
 from .memory_model import DeviceMemory, estimate
@@ -25,8 +25,6 @@ from .plan import DEFAULT_MAX_CTX, Plan, paged_kv_dtype
 if TYPE_CHECKING:
     from llmlocal.models import ModelSpec
 
-# what the paged engine's model code runs: GGUF architectures and Hugging Face model types
-PAGED_ARCHS = ENGINE_ARCHS | frozenset(HF_TO_GGUF_ARCH)
 BACKENDS = ("llamacpp", "paged")  # what the planner sizes; "sparse" joins when its backend is installed
 MARGIN_FRACTION = 0.05  # of each device's budget, kept free for prediction error and growth
 MARGIN_MIN = 128 << 20

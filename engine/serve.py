@@ -3,8 +3,8 @@
 A thin layer, so every backend is served the same way: each connection gets a thread that
 calls `Engine.generate`, and the engine decides how concurrent requests share the model (the
 paged backend batches them; llama.cpp takes them in turn). This module is the server itself:
-routing, the API key, CORS, the request log, streaming, and the errors and request-reading
-helpers both APIs share. The routes live with their API:
+routing, the API key, CORS, the request log and streaming; the errors and request-reading
+helpers both APIs share are `serve_protocol`'s. The routes live with their API:
 
     /v1/..., /tokenize, ...      OpenAI's API (`openai_api`): models, chat and text completions
     /api/...                     Ollama's API (`ollama_api`): version, tags, show, generate, chat
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 import socket
 import sys
 import threading
@@ -38,63 +37,17 @@ from typing import Any, Protocol, TextIO
 
 from llmlocal.models.errors import LLMLocalError
 
-from .engine import ContextOverflowError, Engine
+from llmlocal.models.errors import ContextOverflowError
+
+from .engine import Engine
 from .serve_access import Access, refused_host, refused_origin, require_key
 from .serve_connections import Connections
 from .serve_metrics import Metrics
+from .serve_protocol import APIError
 from .types import DoneEvent, Event, Request, TokenEvent
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
-FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 GONE = (ConnectionError, TimeoutError)  # the client hung up, or stopped reading for the idle timeout
-
-
-class APIError(Exception):
-    """An error answered as JSON: OpenAI's {"error": {message, type, param, code}}, or on
-    Ollama's routes its {"error": message}."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.kind, self.param = status, message, code, kind, param
-
-    def body(self, ollama: bool = False) -> dict[str, Any]:
-        if ollama:
-            return {"error": self.message}
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def refuse_unknown(fields: dict[str, Any], known: set[str], neutral: dict[str, tuple[Any, ...]], what: str = "field") -> None:
-    """A 400 naming every field outside ``known`` whose value asks for something (null, and
-    the values in ``neutral``, ask for nothing)."""
-    def asks_nothing(key: str, value: Any) -> bool:
-        return value is None or any(type(value) is type(n) and value == n for n in neutral.get(key, ()))
-
-    bad = sorted(k for k, v in fields.items() if k not in known and not asks_nothing(k, v))
-    if bad:
-        names = ", ".join(f"'{k}'" for k in bad)
-        raise APIError(400, f"llmlocal does not implement the {what}{'s' if len(bad) > 1 else ''} {names}: "
-                       f"remove {'them' if len(bad) > 1 else 'it'} from the request.", "unsupported_parameter", param=bad[0])
-
-
-def number(fields: dict[str, Any], key: str, default: Any, kind: type = float, label: str | None = None) -> Any:
-    """``fields[key]`` as a ``kind`` (absent or null: ``default``), else a 400 naming it."""
-    value = fields.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (kind is int and value != int(value)):
-        raise APIError(400, f"'{label or key}' must be {'an integer' if kind is int else 'a number'}.", param=key)
-    return kind(value)
-
-
-def stop_strings(value: Any, label: str = "stop") -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise APIError(400, f"'{label}' must be a string or a list of strings.", param=label)
-    return tuple(value)
 
 
 class OpenAIServer(ThreadingHTTPServer):
@@ -230,7 +183,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # ---- routing -------------------------------------------------------------------------
     def routes(self) -> dict[tuple[str, str], Callable[[Any], Any]]:
-        from . import ollama_api, openai_api  # they import this module, so not at the top
+        from . import ollama_api, openai_api  # each imports Handler for its type hints only
 
         own: dict[tuple[str, str], Callable[[Any], Any]] = {
             ("GET", "/health"): lambda _: {"status": "ok"},

@@ -21,3 +21,7 @@ class ModelNotFoundError(LLMLocalError):
 
 class ModelFormatError(LLMLocalError):
     """The file exists but is not a usable model (not GGUF, truncated, unsupported)."""
+
+
+class ContextOverflowError(LLMLocalError):
+    """The prompt does not fit the context window."""

@@ -129,6 +129,9 @@ LLAMA_FAMILY = ENGINE_ARCHS  # the name older callers use
 # Architectures whose GGUF q/k rows are in llama.cpp's interleaved order.
 PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
 
+# What the paged engine's model code runs: GGUF architectures and Hugging Face model types.
+PAGED_ARCHS = ENGINE_ARCHS | frozenset(HF_TO_GGUF_ARCH)
+
 # the llama tables, by their old names
 GGUF_TO_HF: dict[str, str] = FAMILY_TENSORS["llama"]
 HF_TO_GGUF: dict[str, str] = {v: k for k, v in GGUF_TO_HF.items()}

@@ -81,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmlocal.engine import bench
+    from llmlocal.app.bench import scenarios as bench
     from llmlocal.models.errors import LLMLocalError
 
     if args.requests < 1:
@@ -113,14 +113,14 @@ def run(args: argparse.Namespace) -> int:
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
         result = bench.bench_prefill(args.model, backends, tokens, rounds=args.rounds or 3, threads=args.threads)
     elif args.scenario == "resume":
-        from llmlocal.engine.bench_resume import bench_resume
+        from llmlocal.app.bench.resume import bench_resume
 
         tokens = 4000 if args.prompt_tokens is None else args.prompt_tokens
         if tokens < 64:
             raise LLMLocalError(f"--prompt-tokens must be at least 64, not {tokens}.")
         result = bench_resume(args.model, tokens, rounds=args.rounds or 2, threads=args.threads)
     elif args.scenario == "sparse":
-        from llmlocal.engine.bench_sparse import bench_sparse
+        from llmlocal.app.bench.sparse import bench_sparse
 
         if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
             raise LLMLocalError(f"--sparsity must be in [0, 1), got {args.sparsity}.")
@@ -144,12 +144,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result) if args.json else bk.format_table(result))
         return 0
     elif args.scenario == "grammar":
-        from llmlocal.engine.bench_grammar import bench_grammar
+        from llmlocal.app.bench.grammar import bench_grammar
 
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
         result = bench_grammar(args.model, backends, rounds=args.rounds or 3, threads=args.threads)
     else:
-        from llmlocal.engine.bench_spec import bench_spec
+        from llmlocal.app.bench.spec import bench_spec
 
         result = bench_spec(args.model, args.draft, max_tokens=args.max_tokens, rounds=args.rounds or 1,
                             temperature=args.temperature)

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from llmlocal.models.errors import LLMLocalError
-
-from ..engine import ContextOverflowError
+from llmlocal.models.errors import ContextOverflowError, LLMLocalError
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # a long prefill on a big model sends nothing for a while

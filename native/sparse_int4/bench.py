@@ -9,7 +9,7 @@ Per shape (Llama-3.2-1B's fused qkv, gate/up, down, o_proj; SmolLM2-135M's) and 
   factors of every group with a kept column) over time, with the calls cycling through copies
   of the weight that together exceed ``--working-set-mb`` (default 512 MB, past the caches),
   as decode streams a model that does not fit in cache; ``pct_of_machine`` compares with
-  this machine's read bandwidth (``engine.bench.measure_bandwidth_gb_s``).
+  this machine's read bandwidth (``measure_bandwidth_gb_s``).
 * ``hot_us``: the same weight called again and again (cache-resident: the small-shape cost).
 * ``torch_us``: torch's ``_weight_int4pack_mm_for_cpu`` (bf16, dense) on the same shape, cycled
   the same way; ``torch_hot_us``.
@@ -168,6 +168,21 @@ def bench_decode(model: str, sparsities: list[float], args: argparse.Namespace, 
     return out
 
 
+def measure_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth of main memory: bytes summed per second over a buffer far larger than cache."""
+    import torch
+
+    a = torch.ones(megabytes * 1024 * 1024 // 4, dtype=torch.float32)
+    a.sum()  # touch every page once
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
+
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmlocal.native.sparse_int4.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=sorted(LAYERS), nargs="+", default=sorted(LAYERS))
     p.add_argument("--no-torch", action="store_true", help="skip torch's INT4 op")
     args = p.parse_args(argv)
-
-    from llmlocal.engine.bench import measure_bandwidth_gb_s
 
     if args.threads:
         set_num_threads(args.threads)

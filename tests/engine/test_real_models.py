@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llmlocal.app.bench.spec import SUMMARISE
 from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams, TokenEvent
 from llmlocal.engine.backends.llamacpp import open_llama
-from llmlocal.engine.bench_spec import SUMMARISE
 
 DIR = Path(os.environ.get("LLMLOCAL_DEV_MODELS", Path.home() / ".cache" / "llmlocal-dev"))
 Q05 = DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"

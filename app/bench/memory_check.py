@@ -18,9 +18,9 @@ resident (and in the delta) before any forward pass; the workload's generation t
 anyway. The prediction compared with the measured peak is the memory model's ``peak``
 (its ``total``, or the paged loader's transient when that is higher), file pages included.
 
-    python -m llmlocal.engine.memory_check              # the validation table (15 configurations)
-    python -m llmlocal.engine.memory_check --long       # and the 1B shape at 8192 (hours on 2 busy cores)
-    python -m llmlocal.engine.memory_check --quick      # starter, llamacpp, context 512
+    python -m llmlocal.app.bench.memory_check              # the validation table (15 configurations)
+    python -m llmlocal.app.bench.memory_check --long       # and the 1B shape at 8192 (hours on 2 busy cores)
+    python -m llmlocal.app.bench.memory_check --quick      # starter, llamacpp, context 512
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class CheckConfig:
     label: str = ""
 
     def to_plan(self) -> Any:
-        from .plan import Plan
+        from llmlocal.engine.plan import Plan
 
         return Plan(model=self.model, backend=self.backend, device="cpu", n_ctx=self.n_ctx, kv_dtype=self.kv_dtype, **self.plan)
 
@@ -163,7 +163,7 @@ def _child(config: CheckConfig) -> dict[str, Any]:
 def measure(config: CheckConfig, timeout: float = 3600.0) -> Measurement:
     """Measure one configuration in a fresh Python process."""
     proc = subprocess.run(
-        [sys.executable, "-m", "llmlocal.engine.memory_check", "--child", json.dumps(asdict(config))],
+        [sys.executable, "-m", "llmlocal.app.bench.memory_check", "--child", json.dumps(asdict(config))],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -178,8 +178,8 @@ def predict(config: CheckConfig) -> int:
     """The memory model's peak for ``config`` on this machine, bytes."""
     from llmlocal.models import resolve
 
-    from .hardware import simd_features
-    from .memory_model import estimate
+    from llmlocal.engine.hardware import simd_features
+    from llmlocal.engine.memory_model import estimate
 
     spec = resolve(config.model).spec
     return sum(d.peak for d in estimate(spec, config.to_plan(), simd_features()))
@@ -201,7 +201,7 @@ def format_row(row: Row) -> str:
     if c.backend == "llamacpp":
         kv = c.kv_dtype
     else:
-        from .plan import paged_kv_dtype
+        from llmlocal.engine.plan import paged_kv_dtype
 
         kv = paged_kv_dtype(c.to_plan(), "fp32", on_gpu=False)
     mib = 1 << 20
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         known = {f.name for f in fields(CheckConfig)}  # the parent may be an older copy of this module
         print(json.dumps(_child(CheckConfig(**{k: v for k, v in json.loads(argv[1]).items() if k in known}))))
         return 0
-    p = argparse.ArgumentParser(prog="python -m llmlocal.engine.memory_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m llmlocal.app.bench.memory_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one cheap configuration: starter, llamacpp, context 512")
     p.add_argument("--long", action="store_true", help="also the 1B shape at context 8192 (slow)")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "llmlocal-memory-check"),

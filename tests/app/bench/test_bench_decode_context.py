@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from llmlocal.engine.bench import bench_decode
+from llmlocal.app.bench.scenarios import bench_decode
 
 
 def test_decode_after_a_long_prompt_per_kv_cache_type() -> None:

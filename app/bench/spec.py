@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Any
 
-from .engine import Engine
-from .plan import Plan
-from .types import DoneEvent, Request, SamplingParams
+from llmlocal.engine.engine import Engine
+from llmlocal.engine.plan import Plan
+from llmlocal.engine.types import DoneEvent, Request, SamplingParams
 
 STORY = "Write a long story about a lighthouse keeper and the sea."
 PASTED = (

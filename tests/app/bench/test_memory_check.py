@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from llmlocal.engine.memory_check import (
+from llmlocal.app.bench.memory_check import (
     CheckConfig,
     Measurement,
     Row,

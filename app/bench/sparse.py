@@ -9,7 +9,7 @@ One run, batch 1, greedy, the same prompt for every engine:
     llamacpp_tok_s       backend `llamacpp` (dense), same file, same thread count
     kernel_bandwidth_gb_s  weight bytes the kernels read / seconds spent inside them, at the
                            requested level
-    machine_bandwidth_gb_s this machine's read bandwidth (`bench.measure_bandwidth_gb_s`)
+    machine_bandwidth_gb_s this machine's read bandwidth (`native.sparse_int4.bench.measure_bandwidth_gb_s`)
 
 A model without calibrated thresholds is calibrated first, through the same pipeline as
 `llmlocal quantize MODEL --sparsity S` (thresholds only, tensors copied byte for byte), into
@@ -22,11 +22,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmlocal.engine.engine import Engine
+from llmlocal.engine.plan import Plan
 from llmlocal.models import resolve
 
-from .bench import _median_stats, _run, measure_bandwidth_gb_s
-from .engine import Engine
-from .plan import Plan
+from .scenarios import _median_stats, _run, measure_bandwidth_gb_s
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -63,8 +63,8 @@ def _decode(engine: Engine, max_tokens: int, runs: int) -> Any:
 def bench_sparse(
     model: str | None, sparsity: float | None = None, max_tokens: int = 128, runs: int = 3, threads: int | None = None
 ) -> dict[str, Any]:
-    from .backends.sparse import SparseBackend
-    from .model.sparse_linear import SparseInt4Projection
+    from llmlocal.engine.backends.sparse import SparseBackend
+    from llmlocal.engine.model.sparse_linear import SparseInt4Projection
 
     path = calibrated_model(model, sparsity if sparsity is not None else 0.5, threads)
     plan = Plan(model=path, n_ctx=1024, threads=threads)

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llmlocal.engine.bench import bench_decode
-from llmlocal.engine.bench_sparse import bench_sparse
-from llmlocal.engine.bench_spec import bench_spec
+from llmlocal.app.bench.scenarios import bench_decode
+from llmlocal.app.bench.sparse import bench_sparse
+from llmlocal.app.bench.spec import bench_spec
 
 TOKENS = 12
 

@@ -15,9 +15,9 @@ import threading
 import time
 from typing import Any
 
-from .engine import Engine
-from .plan import Plan
-from .types import DoneEvent, Grammar, Request, SamplingParams
+from llmlocal.engine.engine import Engine
+from llmlocal.engine.plan import Plan
+from llmlocal.engine.types import DoneEvent, Grammar, Request, SamplingParams
 
 PROMPT = "List six programming languages as JSON: for each, its name, the year it appeared and who created it."
 SCHEMA = {

@@ -27,29 +27,16 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .engine import Engine
-from .openmp import fastest_when_idle
-from .plan import Plan
-from .types import DoneEvent, Request, SamplingParams, Stats
+from llmlocal.engine.engine import Engine
+from llmlocal.engine.openmp import fastest_when_idle
+from llmlocal.engine.plan import Plan
+from llmlocal.engine.types import DoneEvent, Request, SamplingParams, Stats
+from llmlocal.native.sparse_int4.bench import measure_bandwidth_gb_s
 
 WORDS = (
     "river stone light garden window morning paper music harbour bridge winter orange "
     "market kitchen forest letter engine silver cloud village summer story island road"
 ).split()
-
-
-def measure_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth of main memory: bytes summed per second over a buffer far larger than cache."""
-    import torch
-
-    a = torch.ones(megabytes * 1024 * 1024 // 4, dtype=torch.float32)
-    a.sum()  # touch every page once
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t)
-    return a.numel() * 4 / best / 1e9
 
 
 def _prompt(n_words: int, seed: int) -> str:

@@ -21,9 +21,10 @@ import statistics
 import tempfile
 from typing import Any
 
-from .bench import _EngineProcess, _prompt
-from .plan import Plan
-from .types import Stats
+from llmlocal.engine.plan import Plan
+from llmlocal.engine.types import Stats
+
+from .scenarios import _EngineProcess, _prompt
 
 
 def _chat_history(tokens: int, seed: int) -> list[dict[str, str]]:
