@@ -107,7 +107,7 @@ def kv_cache_bytes(text: str) -> int | None | bool:
     """A kv_cache_size setting in bytes; None for "off"; False if it is neither."""
     if text.strip().lower() in ("off", "0", "none", "no"):
         return None
-    from llmlocal.engine.hardware import parse_size
+    from llmlocal.engine.planning.hardware import parse_size
     from llmlocal.models.errors import LLMLocalError
 
     try:
@@ -397,7 +397,7 @@ def _builtin_value(name: str) -> Any:
 
         return data_dir()
     if name == "kv_cache_dir":
-        from llmlocal.engine.kv_disk import default_dir
+        from llmlocal.engine.core.kv_disk import default_dir
 
         return default_dir()
     if name == "backend":

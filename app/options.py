@@ -18,7 +18,7 @@ from .config import BACKENDS
 
 if TYPE_CHECKING:  # keep `--help` free of engine imports
     from llmlocal.engine import Grammar, Plan, SamplingParams
-    from llmlocal.engine.planner import Choice, Pins
+    from llmlocal.engine.planning.planner import Choice, Pins
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def kv_cache_from_args(args: argparse.Namespace) -> dict[str, Any]:
         return {"kv_cache_dir": None}
     directory = getattr(args, "kv_cache_dir", None)
     if directory is None:
-        from llmlocal.engine.kv_disk import default_dir
+        from llmlocal.engine.core.kv_disk import default_dir
 
         directory = default_dir()
     return {"kv_cache_dir": str(Path(directory).expanduser()), "kv_cache_size": size}
@@ -232,7 +232,7 @@ def kv_cache_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def pins_from_args(args: argparse.Namespace) -> Pins:
     """Every explicit flag pins its dimension; the planner chooses the others."""
-    from llmlocal.engine.planner import Pins
+    from llmlocal.engine.planning.planner import Pins
 
     return Pins(
         backend=args.backend if args.backend != "auto" else None,
@@ -247,7 +247,7 @@ def pins_from_args(args: argparse.Namespace) -> Pins:
 
 def choice_from_args(args: argparse.Namespace) -> Choice:
     """The planner's choice for the flags (what `llmlocal plan` prints)."""
-    from llmlocal.engine.planner import plan_model
+    from llmlocal.engine.planning.planner import plan_model
 
     try:
         return plan_model(args.model, pins_from_args(args), base_plan_from_args(args), memory_budget=args.memory_budget)

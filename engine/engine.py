@@ -29,12 +29,12 @@ from llmlocal.models.errors import ContextOverflowError, LLMLocalError
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
 from .backends.base import Backend
-from .chat_template import ChatTemplate, fallback_template, template_source
-from .grammar import check_grammar
-from .hardware import simd_features
-from .native_support import paged_pays
 from .plan import DEFAULT_MAX_CTX, Plan
-from .tokenizer import start_tokenizer
+from .planning.hardware import simd_features
+from .planning.native_support import paged_pays
+from .prompt.chat_template import ChatTemplate, fallback_template, template_source
+from .prompt.grammar import check_grammar
+from .prompt.tokenizer import start_tokenizer
 from .types import Event, Message, Request
 
 if TYPE_CHECKING:

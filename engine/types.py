@@ -58,7 +58,7 @@ GrammarKind = Literal["json", "json_schema", "regex", "choice", "lark"]
 
 @dataclass(frozen=True)
 class Grammar:
-    """What a reply must match, enforced token by token (`llmlocal.engine.grammar`).
+    """What a reply must match, enforced token by token (`llmlocal.engine.prompt.grammar`).
 
     ``json``: any JSON object; ``json_schema``: a JSON document valid against the schema in
     ``spec`` (JSON text); ``regex``: a string the whole of which matches ``spec``; ``choice``:

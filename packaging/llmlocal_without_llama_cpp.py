@@ -1,7 +1,7 @@
 """The `llmlocal` CLI for the GPU check, on a machine without llama-cpp-python.
 
 The paged engine tokenizes a GGUF with llama.cpp's own vocabulary (a vocab-only
-llama-cpp-python model, `engine/tokenizer.py`), so that its token ids are llama.cpp's. The GPU
+llama-cpp-python model, `engine/prompt/tokenizer.py`), so that its token ids are llama.cpp's. The GPU
 machines have no llama-cpp-python, and the check's model is a GGUF that `llmlocal quantize`
 made from a checkpoint whose `tokenizer.json` the check wrote: that file gives the same ids.
 So here, and only where llama_cpp cannot be imported, a GGUF is tokenized by the
@@ -39,7 +39,7 @@ def install() -> None:
     directory = os.environ.get("LLMLOCAL_GPU_CHECK_TOKENIZER")
     if llama_cpp_importable() or not directory:
         return
-    from llmlocal.engine import tokenizer
+    from llmlocal.engine.prompt import tokenizer
 
     if getattr(tokenizer.open_tokenizer, "gpu_check", False):
         return

@@ -49,9 +49,9 @@ from .source import ModelSource
 
 if TYPE_CHECKING:
     import torch
+    from llmlocal.engine.core.model_runner import ModelRunner
     from llmlocal.engine.model.llama import LlamaModel
-    from llmlocal.engine.model_runner import ModelRunner
-    from llmlocal.engine.tokenizer import LlamaCppTokenizer
+    from llmlocal.engine.prompt.tokenizer import LlamaCppTokenizer
 
 SPARSE_FORMATS = ("q4_0", "q4_1", "q4_k_m", "q4_k_s")  # --type values the sparse engine can read
 # source weight types calibrated as they are: every type the native kernels read in its own bytes
@@ -191,7 +191,7 @@ def torch_model(path: str | os.PathLike[str], ctx: int, threads: int | None = No
     import torch
     from llmlocal.engine.model.loader import load_gguf
     from llmlocal.engine.model.sparsity import reference_runner
-    from llmlocal.engine.tokenizer import LlamaCppTokenizer
+    from llmlocal.engine.prompt.tokenizer import LlamaCppTokenizer
 
     spec = spec_from_gguf(path)
     if threads:

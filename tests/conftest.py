@@ -7,7 +7,6 @@ from typing import Callable, Iterator
 
 import numpy as np
 import pytest
-
 from llmlocal.engine import Engine, Plan
 from llmlocal.models import resolve
 
@@ -63,8 +62,8 @@ def starter_cpu_backend() -> str:
     """The backend `auto` runs the starter with on this CPU with the disk KV cache on (the
     CLI's default): the paged engine where its native kernels were measured faster than
     llama.cpp (AVX512-VNNI) or as fast (AVX2), llama.cpp elsewhere."""
-    from llmlocal.engine.hardware import simd_features
-    from llmlocal.engine.native_support import paged_pays
+    from llmlocal.engine.planning.hardware import simd_features
+    from llmlocal.engine.planning.native_support import paged_pays
 
     return "paged" if paged_pays(resolve().spec, simd_features(), disk_cache=True) else "llamacpp"
 

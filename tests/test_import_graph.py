@@ -142,7 +142,7 @@ def test_the_graph_sees_the_imports_it_should() -> None:
     graph = _graph()
     assert "llmlocal.engine.plan" in graph["llmlocal.engine.engine"]
     assert "llmlocal.engine.backends.paged" in graph["llmlocal.engine.engine"]  # imported inside Engine.load
-    assert "llmlocal.engine.serve" not in graph["llmlocal.engine.openai_api"]  # Handler, for its type hints only
+    assert "llmlocal.app.serve.server" not in graph["llmlocal.app.serve.openai_api"]  # Handler, for its type hints only
     assert "llmlocal.native.sparse_int4.runtime" in graph["llmlocal.native.sparse_int4.linear"]
 
 

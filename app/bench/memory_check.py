@@ -176,10 +176,9 @@ def measure(config: CheckConfig, timeout: float = 3600.0) -> Measurement:
 
 def predict(config: CheckConfig) -> int:
     """The memory model's peak for ``config`` on this machine, bytes."""
+    from llmlocal.engine.planning.hardware import simd_features
+    from llmlocal.engine.planning.memory_model import estimate
     from llmlocal.models import resolve
-
-    from llmlocal.engine.hardware import simd_features
-    from llmlocal.engine.memory_model import estimate
 
     spec = resolve(config.model).spec
     return sum(d.peak for d in estimate(spec, config.to_plan(), simd_features()))

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmlocal.engine.kv_disk import clear, default_dir, describe
+    from llmlocal.engine.core.kv_disk import clear, default_dir, describe
 
     root = Path(args.kv_cache_dir).expanduser() if args.kv_cache_dir else default_dir()
     spaces = describe(root)

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 def reply_format_from_args(args: argparse.Namespace) -> ReplyFormat:
     """The reply format --format / --json-schema give new chats, its schema read and compiled
     here (`LLMLocalError` as `run` gives it)."""
-    from llmlocal.engine.grammar import check_grammar
+    from llmlocal.engine.prompt.grammar import check_grammar
 
     from ..tui.settings import ReplyFormat
 

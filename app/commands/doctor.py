@@ -75,7 +75,7 @@ def _version(dist: str) -> str | None:
 
 
 def cpu() -> dict[str, Any]:
-    from llmlocal.engine.hardware import physical_cores, simd_features
+    from llmlocal.engine.planning.hardware import physical_cores, simd_features
 
     return {"machine": platform.machine(), "physical_cores": physical_cores(), "simd": sorted(simd_features())}
 

@@ -242,17 +242,17 @@ def _info(args: argparse.Namespace) -> int:
 def planner_verdict(spec: Any) -> dict[str, Any]:
     """What the memory planner chooses for ``spec`` on this machine, and why.
 
-    PLANNER HOOK: the one place `models info` calls `llmlocal.engine.planner`. A model that
+    PLANNER HOOK: the one place `models info` calls `llmlocal.engine.planning.planner`. A model that
     fits nowhere gives the planner's one-sentence refusal as the verdict.
     """
-    from llmlocal.engine.hardware import probe
-    from llmlocal.engine.planner import choose
+    from llmlocal.engine.planning.hardware import probe
+    from llmlocal.engine.planning.planner import choose
     from llmlocal.models.errors import LLMLocalError
 
     if spec.format not in ("gguf", "hf"):
         return {"verdict": "the server decides: a remote model is not planned here", "reasons": []}
     from llmlocal.engine import Plan
-    from llmlocal.engine.kv_disk import default_dir
+    from llmlocal.engine.core.kv_disk import default_dir
 
     try:  # as chat and run plan it: the prefix cache's disk tier on, as they keep it by default
         choice = choose([spec], probe(), base=Plan(kv_cache_dir=str(default_dir())))

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 def render(choice: Any, name: str) -> str:
     """The chosen plan, a memory bar per device, the reasons and the alternatives."""
-    from llmlocal.engine.memory_model import gib
+    from llmlocal.engine.planning.memory_model import gib
 
     c = choice.chosen
     hw = choice.hardware
@@ -88,7 +88,7 @@ def render(choice: Any, name: str) -> str:
 
 def _bar(d: Any, budget: int) -> str:
     """One character per budget / BAR_WIDTH bytes; '|' marks where the safety margin starts."""
-    from llmlocal.engine.planner import usable_budget
+    from llmlocal.engine.planning.planner import usable_budget
 
     scale = BAR_WIDTH / max(budget, 1)
     cells: list[str] = []

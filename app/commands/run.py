@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise LLMLocalError("The prompt is empty: pass the text to send, or '-' to read it from stdin.")
     sampling = dataclasses.replace(sampling_from_args(args), grammar=grammar_from_args(args))
     if sampling.grammar is not None:  # before the model loads: a typo should not cost a load
-        from llmlocal.engine.grammar import check_grammar
+        from llmlocal.engine.prompt.grammar import check_grammar
 
         check_grammar(sampling.grammar)
     plan = plan_from_args(args)

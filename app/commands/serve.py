@@ -79,9 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from llmlocal.app.serve.access import checked_hosts, checked_origins, is_loopback, require_key
+    from llmlocal.app.serve.server import OpenAIServer
     from llmlocal.engine import Engine
-    from llmlocal.engine.serve import OpenAIServer
-    from llmlocal.engine.serve_access import checked_hosts, checked_origins, is_loopback, require_key
     from llmlocal.models.errors import LLMLocalError
 
     if args.endpoint is not None:
@@ -156,7 +156,7 @@ def _batches_here(model: str | None) -> bool:
     """Whether `auto` should serve ``model`` with the paged engine: a GGUF that the engine runs
     entirely in its native CPU kernels, not calibrated for the sparse backend (which the
     planner picks itself). (On a CUDA device the planner prefers the paged engine anyway.)"""
-    from llmlocal.engine.native_support import runs_natively
+    from llmlocal.engine.planning.native_support import runs_natively
     from llmlocal.models import resolve
 
     spec = resolve(model).spec

@@ -54,7 +54,7 @@ class ReplyFormat:
     def grammar(self, fix: str = "change this chat's reply format with F3") -> Grammar | None:
         """The grammar every reply is generated under, checked to compile; `LLMLocalError` (one
         sentence) if the schema cannot be read or does not compile."""
-        from llmlocal.engine.grammar import check_grammar
+        from llmlocal.engine.prompt.grammar import check_grammar
 
         from ..options import read_json_schema_file
 

@@ -14,18 +14,16 @@ import threading
 from typing import Any, Iterator
 
 import numpy as np
-
 from llmlocal.models import ResolvedModel
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
 
-from ..detokenize import TextStream
-from ..grammar import Constraint, TokenMasks
-from ..hardware import physical_cores
-from ..memory_model import llamacpp_flash_attn
+from ..core.stats import StatsRecorder
 from ..plan import Plan
-from ..stats import StatsRecorder
+from ..planning.hardware import physical_cores
+from ..planning.memory_model import llamacpp_flash_attn
+from ..prompt.detokenize import TextStream
+from ..prompt.grammar import Constraint, TokenMasks
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
-
 
 _params_lock = threading.Lock()
 
@@ -325,6 +323,6 @@ class _StepLogits:
             return ()
         import torch
 
-        from ..sampling import token_logprobs
+        from ..core.sampling import token_logprobs
 
         return tuple(token_logprobs(torch.from_numpy(self.last).view(1, -1), [token], top))

@@ -28,23 +28,23 @@ from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
-from ..block_manager import ROOT_KEY, BlockManager
-from ..detokenize import TextStream
-from ..drafter import Drafter, DraftModel, DraftRequest, NgramDrafter
-from ..kv_disk import DiskTier
-from ..model.llama import LlamaModel
+from ..core.block_manager import ROOT_KEY, BlockManager
+from ..core.kv_disk import DiskTier
+from ..core.model_runner import ModelRunner, StepItem
+from ..core.sampling import make_generator, sample_batch, token_logprobs
+from ..core.scheduler import RequestTooLargeError, Scheduler
+from ..core.sequence import Sequence
+from ..core.stats import StatsRecorder
+from ..core.step_masks import StepMasks
 from ..model.fast_decode import FastDecode, native_int4, native_quant
+from ..model.llama import LlamaModel
 from ..model.loader import load_gguf, load_hf
-from ..model_runner import ModelRunner, StepItem
 from ..plan import Plan
-from ..sampling import make_generator, sample_batch, token_logprobs
-from ..scheduler import RequestTooLargeError, Scheduler
-from ..sequence import Sequence
-from ..spec_control import PER_TOKEN_PRIOR, DraftLength
-from ..speculative import verify
-from ..stats import StatsRecorder
-from ..step_masks import StepMasks
-from ..tokenizer import Tokenizer, start_tokenizer
+from ..prompt.detokenize import TextStream
+from ..prompt.tokenizer import Tokenizer, start_tokenizer
+from ..spec.drafter import Drafter, DraftModel, DraftRequest, NgramDrafter
+from ..spec.spec_control import PER_TOKEN_PRIOR, DraftLength
+from ..spec.speculative import verify
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 from .paged_setup import check_same_vocabulary, load_draft, open_disk_tier, pick_device, pick_dtype, pick_kv_dtype
 from .paged_stream import EngineFailure, Stream, logprob_rows

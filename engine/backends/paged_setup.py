@@ -10,11 +10,11 @@ import torch
 from llmlocal.models import ModelSpec, ResolvedModel
 from llmlocal.models.errors import LLMLocalError
 
+from ..core.kv_disk import DiskTier, model_fingerprint, namespace
+from ..core.model_runner import ModelRunner
 from ..model.fast_decode import native_int4, native_quant
-from ..kv_disk import DiskTier, model_fingerprint, namespace
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf, load_hf
-from ..model_runner import ModelRunner
 from ..plan import Plan, paged_kv_dtype
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..detokenize import TextStream
-from ..drafter import Proposal
-from ..grammar import Constraint
-from ..model_runner import StepItem
-from ..stats import StatsRecorder
+from ..core.model_runner import StepItem
+from ..core.stats import StatsRecorder
+from ..prompt.detokenize import TextStream
+from ..prompt.grammar import Constraint
+from ..spec.drafter import Proposal
 from ..types import Request, TokenLogprob
 
 

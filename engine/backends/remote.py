@@ -36,9 +36,9 @@ from llmlocal.models import ResolvedModel
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import ModelSpec, SpecialTokens
 
-from ..chat_template import CHATML_TEMPLATE, ChatTemplate
+from ..core.stats import StatsRecorder
 from ..plan import Plan
-from ..stats import StatsRecorder
+from ..prompt.chat_template import CHATML_TEMPLATE, ChatTemplate
 from ..types import (
     DoneEvent,
     Event,

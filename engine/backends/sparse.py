@@ -24,19 +24,19 @@ from concurrent.futures import Future
 
 import torch
 from llmlocal.models import ModelSpec, ResolvedModel
-from llmlocal.native.sparse_int4.qlayout import QuantRows
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.native import sparse_int4
+from llmlocal.native.sparse_int4.qlayout import QuantRows
 
-from ..drafter import Drafter
+from ..model.fast_decode import FastDecode, native_quant
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf
-from ..model.fast_decode import FastDecode, native_quant
 from ..model.sparse_linear import SparseInt4Projection, SparseProjection, ThresholdedLinear
 from ..model.sparsity import projection_modules, projection_of
 from ..plan import Plan
-from ..tokenizer import Tokenizer
+from ..prompt.tokenizer import Tokenizer
+from ..spec.drafter import Drafter
 from ..types import Request
 from .paged import PagedBackend
 from .paged_stream import Stream

@@ -20,18 +20,18 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.native.sparse_int4 import kernels
+from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 from llmlocal.native.sparse_int4.linear import QuantLinear
 from llmlocal.native.sparse_int4.qlayout import QuantRows
-from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
 
-from ..model_runner import ModelRunner
+from ..core.model_runner import ModelRunner
 from .attention import AttentionMetadata
-from .linear import Int8Linear
 from .gguf_tensors import INT4_TYPES
+from .linear import Int8Linear
 from .llama import LlamaModel
 from .loader import QuantFactory
 from .sparse_linear import NativeInt8Linear, QuantProjection, SparseInt4Projection

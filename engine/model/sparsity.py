@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from torch import nn
+from llmlocal.models.spec import SPARSITY_PROJECTIONS
 
-from ..model_runner import ModelRunner, StepItem
-from ..sequence import Sequence as TokenSequence
+from ..core.model_runner import ModelRunner, StepItem
+from ..core.sequence import Sequence as TokenSequence
 from .llama import LlamaModel
 
 if TYPE_CHECKING:

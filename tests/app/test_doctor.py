@@ -12,7 +12,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-
 from llmlocal.app.cli import main
 
 LLMLOCAL = [sys.executable, "-m", "llmlocal.app"]
@@ -53,7 +52,7 @@ def test_versions_are_the_installed_ones(report: dict) -> None:
 
 
 def test_cpu_features_and_the_kernels_isa_match_the_runtime(report: dict) -> None:
-    from llmlocal.engine.hardware import simd_features
+    from llmlocal.engine.planning.hardware import simd_features
     from llmlocal.native.sparse_int4 import runtime
 
     assert report["cpu"]["simd"] == sorted(simd_features())

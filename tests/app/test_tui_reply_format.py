@@ -9,6 +9,8 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from textual.widgets import Select, Static, TextArea
+from tui_support import panel_text, type_and_send, wait_for, wait_idle
 from llmlocal.app import cli
 from llmlocal.app.commands.chat import make_app, reply_format_from_args
 from llmlocal.app.commands.chats import conversation_markdown, export_chats, read_export
@@ -18,10 +20,8 @@ from llmlocal.app.tui.conversation import Notice
 from llmlocal.app.tui.settings import ChatSettings, ReplyFormat
 from llmlocal.app.tui.settings_screen import ChatSettingsScreen
 from llmlocal.engine import Engine, Grammar, Plan, SamplingParams
-from llmlocal.engine.grammar import check_grammar
+from llmlocal.engine.prompt.grammar import check_grammar
 from llmlocal.models.errors import LLMLocalError
-from textual.widgets import Select, Static, TextArea
-from tui_support import panel_text, type_and_send, wait_for, wait_idle
 
 # Greedy, with room for a whole object: the starter model closes this one by itself, in about
 # 20 tokens (a longer one, "Describe a cat as JSON.", closed on one CPU and looped on another,

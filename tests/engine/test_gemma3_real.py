@@ -19,13 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from llmlocal.engine import Engine, Plan
-from llmlocal.engine.block_manager import BlockManager
+from llmlocal.engine.core.block_manager import BlockManager
+from llmlocal.engine.core.model_runner import ModelRunner, StepItem
+from llmlocal.engine.core.sequence import Sequence
 from llmlocal.engine.model.fast_decode import native_quant
 from llmlocal.engine.model.loader import load_gguf
-from llmlocal.engine.model_runner import ModelRunner, StepItem
-from llmlocal.engine.sequence import Sequence
 from llmlocal.models import spec_from_gguf
 
 DIR = Path(os.environ.get("LLMLOCAL_DEV_MODELS", Path.home() / ".cache" / "llmlocal-dev"))

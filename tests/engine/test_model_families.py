@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from llmlocal.engine.block_manager import BlockManager
+from llmlocal.engine.core.block_manager import BlockManager
+from llmlocal.engine.core.model_runner import ModelRunner, StepItem
+from llmlocal.engine.core.sequence import Sequence
 from llmlocal.engine.model.loader import load_hf
-from llmlocal.engine.model_runner import ModelRunner, StepItem
-from llmlocal.engine.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")
 

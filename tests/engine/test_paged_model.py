@@ -7,16 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from llmlocal.engine.block_manager import BlockManager
+from tiny_llama import CONFIG, gguf_llama_weights, reference_logits, write_checkpoint
+from llmlocal.engine.core.block_manager import BlockManager
+from llmlocal.engine.core.model_runner import ModelRunner, StepItem
+from llmlocal.engine.core.sequence import Sequence
 from llmlocal.engine.model.gguf_tensors import INT4_TYPES, GGUFTensors
 from llmlocal.engine.model.linear import Int4Linear, int4_dequantize
 from llmlocal.engine.model.loader import load_gguf, load_hf, quantize_int4
-from llmlocal.engine.model_runner import ModelRunner, StepItem
-from llmlocal.engine.sequence import Sequence
 from llmlocal.models import resolve, spec_from_gguf
-
-from tiny_llama import CONFIG, gguf_llama_weights, reference_logits, write_checkpoint
 
 NEAR_TIE = 0.1  # nats: where two implementations may order the top two candidates either way
 

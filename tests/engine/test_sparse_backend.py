@@ -17,7 +17,7 @@ import torch
 from llmlocal.engine import Engine, Plan
 from llmlocal.engine.backends.paged import PagedBackend
 from llmlocal.engine.backends.sparse import SparseBackend
-from llmlocal.engine.planner import Pins, plan_model
+from llmlocal.engine.planning.planner import Pins, plan_model
 from llmlocal.engine.model.fast_decode import FastDecode
 from llmlocal.engine.model.llama import LlamaModel
 from llmlocal.engine.model.sparse_linear import SparseInt4Projection

@@ -13,9 +13,9 @@ import pytest
 import torch
 from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams, TokenEvent
 from llmlocal.engine.backends.paged import PagedBackend
-from llmlocal.engine.drafter import DraftModel, DraftRequest, Proposal, lookup
-from llmlocal.engine.sequence import Sequence
-from llmlocal.engine.sampling import filtered_probs
+from llmlocal.engine.core.sampling import filtered_probs
+from llmlocal.engine.core.sequence import Sequence
+from llmlocal.engine.spec.drafter import DraftModel, DraftRequest, Proposal, lookup
 from llmlocal.models import resolve
 from llmlocal.models.errors import LLMLocalError
 

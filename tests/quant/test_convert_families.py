@@ -13,7 +13,6 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 from quant_builders import byte_level_vocab, write_tokenizer
-
 from llmlocal.quant.errors import CheckpointError
 from llmlocal.quant.pipeline import QuantizeJob, QuantizeResult, quantize
 
@@ -106,10 +105,10 @@ def _compare(tmp_path: Path, config: Any, n_ctx: int = 64, fp16_gelu: bool = Fal
 
 
 def _engine_logits(gguf: Path, tokens: list[int], n_ctx: int) -> np.ndarray:
-    from llmlocal.engine.block_manager import BlockManager
+    from llmlocal.engine.core.block_manager import BlockManager
+    from llmlocal.engine.core.model_runner import ModelRunner, StepItem
+    from llmlocal.engine.core.sequence import Sequence
     from llmlocal.engine.model.loader import load_gguf
-    from llmlocal.engine.model_runner import ModelRunner, StepItem
-    from llmlocal.engine.sequence import Sequence
     from llmlocal.models import spec_from_gguf
 
     model = load_gguf(spec_from_gguf(gguf), torch.device("cpu"), torch.float32, "dense", max_position=n_ctx)

@@ -1,0 +1,71 @@
+"""What the paged engine's native CPU path runs: the GGUF types its kernels read in the file's
+own bytes (native/sparse_int4/qlayout.py), whether a whole file runs there, and where that is
+faster than llama.cpp."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmlocal.models import ModelSpec
+
+NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+
+
+def runs_natively(spec: ModelSpec) -> bool:
+    """Whether the paged engine runs this GGUF on a CPU with every projection, the output head
+    and the embedding in the native kernels, in the file's own types (the build has them)."""
+    from llmlocal.models.tensor_names import PAGED_ARCHS
+    from llmlocal.native.sparse_int4 import runtime
+
+    if spec.format != "gguf" or spec.architecture not in PAGED_ARCHS or not runtime.built():
+        return False
+    matrices = [t for t in spec.tensors if len(t.shape) == 2 and t.name.endswith(".weight")]
+    return bool(matrices) and all(t.ggml_type in NATIVE_TYPES for t in matrices)
+
+
+# CPU features on which the native kernels were measured to decode faster than llama.cpp at its
+# best setting on the same CPU (docs/performance.md): AVX512-VNNI (Sapphire Rapids: Qwen2.5-Coder
+# 1.5B Q4_K_M 1.39x, 0.5B 1.74x, the starter's Q4_1 1.73x). On AVX2 alone (Zen 3) the two decode
+# about as fast and llama.cpp loads sooner; AVX-VNNI (Alder Lake) has not been measured.
+FASTER_ON = "avx512_vnni"  # as hardware.simd_features() names it
+FASTER_ON_NAME = "AVX512-VNNI"
+
+
+def decodes_faster_natively(spec: ModelSpec, simd: frozenset[str]) -> bool:
+    """Whether the paged engine decodes this GGUF faster than llama.cpp on a CPU with ``simd``
+    (hardware.simd_features()): the file runs natively and the CPU is of a kind measured so."""
+    return FASTER_ON in simd and runs_natively(spec)
+
+
+# CPU features on which the native kernels decode at parity with llama.cpp at its best setting:
+# AVX2 with FMA and F16C, the kernels' AVX2 path (a 2-vCPU AMD EPYC, Zen 3: Qwen2.5-Coder-1.5B
+# Q4_K_M 1.07x, the 0.5B 1.02x, a 1,037-token prefill 1.07x). There the paged engine is worth its
+# slower load for its prefix cache: with the disk tier on, a chat's history or a server's system
+# prompt is never prefilled twice, across restarts too, which llama.cpp does not do.
+PARITY_ON = frozenset({"avx2", "fma", "f16c"})
+PARITY_ON_NAME = "AVX2"
+
+
+def paged_pays(spec: ModelSpec, simd: frozenset[str], disk_cache: bool) -> bool:
+    """Whether `auto` gives this GGUF the paged engine on a CPU with ``simd``: where its kernels
+    decode faster than llama.cpp, or at parity (AVX2) when the prefix cache keeps a disk tier
+    (``disk_cache``: the plan's kv_cache_dir), whose saved prefills outweigh llama.cpp's quicker
+    load; with --no-kv-cache there, llama.cpp."""
+    if decodes_faster_natively(spec, simd):
+        return True
+    return disk_cache and PARITY_ON <= simd and runs_natively(spec)
+
+
+FOUR_BIT_TYPES = frozenset({2, 3, 12})  # Q4_0 Q4_1 Q4_K: fp32 activations, every projection skips
+
+
+def sparse_pays(spec: ModelSpec, simd: frozenset[str]) -> bool:
+    """Whether the sparse backend is the fast way to run this calibrated GGUF on a CPU with
+    ``simd``: a file of 4-bit projection types only (fp32 activations; every projection skips
+    its zeroed inputs' columns), or one the native kernels decode faster than llama.cpp on this
+    CPU (K-quant mixes: there only the MLP's projections skip, and only with the 512-bit column
+    kernels does skipping beat the dense layout; elsewhere the sparse file would run the dense
+    kernels, as fast as llama.cpp at best, and lose the quality the thresholds cost)."""
+    layers = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+    return bool(layers) and layers <= FOUR_BIT_TYPES or decodes_faster_natively(spec, simd)
