@@ -331,8 +331,8 @@ class DiskTier:
         for _, size, path in files:
             if total <= 0.9 * self.max_bytes:
                 break
-            if _unlink(path):
-                total -= size
+            if _unlink(path) or not path.exists():  # gone either way: another trim (a process, or
+                total -= size                         # close() beside the writer) took it first
 
 
 @dataclass(frozen=True)

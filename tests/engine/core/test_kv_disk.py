@@ -16,6 +16,7 @@ import pytest
 from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams
 from llmlocal.engine.core.block_manager import FullBlock, prefix_blocks
 from llmlocal.engine.core.kv_disk import HEADER, DiskTier, namespace, scan
+from llmlocal.engine.core import kv_disk
 
 BS = 4
 NBYTES = 256
@@ -91,6 +92,29 @@ def test_a_damaged_or_foreign_file_is_a_miss_and_is_removed(tmp_path: Path, dama
     assert t.stage(1, blocks) == 1  # block 0 only: block 1 fails its check, so the chain ends
     assert t.counts["rejected"] == 1
     assert not victim.exists()
+    t.close()
+
+
+def test_a_trim_on_a_stale_listing_removes_no_more_than_the_bound_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two trims over the same listing (two processes sharing the directory, or a writer's and
+    another's at once): the files the first removed count as gone for the second, which then
+    removes nothing more (it used to go on down the list, removing the newest blocks)."""
+    t = tier(tmp_path)
+    per_file = t.file_bytes
+    blocks = chain(8, t.root_key)
+    write(t, blocks)
+    for age, (key, _) in enumerate(blocks):  # the first the least recently used
+        stamp = time.time() - 100 + age
+        os.utime(tmp_path / t.ns.hex() / f"{key:032x}.kv", (stamp, stamp))
+    stale = kv_disk.scan(tmp_path)
+    t.max_bytes = 5 * per_file
+    t._trim()  # to 90% of the bound: the four newest stay
+    newest = sorted(f"{k:032x}.kv" for k, _ in blocks[4:])
+    assert sorted(f.path.name for f in kv_disk.scan(tmp_path) if not f.is_tmp) == newest
+    monkeypatch.setattr(kv_disk, "scan", lambda root: stale)  # the other trim listed before the first removed
+    t._trim()
+    monkeypatch.undo()
+    assert sorted(f.path.name for f in kv_disk.scan(tmp_path) if not f.is_tmp) == newest
     t.close()
 
 
