@@ -29,6 +29,7 @@ from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.native import sparse_int4
 from llmlocal.native.sparse_int4.qlayout import QuantRows
 
+from ..core.block_manager import block_key
 from ..model.fast_decode import FastDecode, native_quant
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf
@@ -79,6 +80,7 @@ def column_layout(spec: ModelSpec, override: float | None) -> Callable[[QuantRow
 class SparseBackend(PagedBackend):
     name = "sparse"
     _stack: FastDecode | None = None
+    _root_key: int = 0  # the block manager's root at load; each level's prefix chains start from a key of it
 
     @classmethod
     def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None,
@@ -104,6 +106,7 @@ class SparseBackend(PagedBackend):
         assert isinstance(backend, SparseBackend)
         backend.model_spec = spec
         backend._stack = FastDecode.attach(backend.runner)
+        backend._root_key = backend.blocks.root_key
         backend.set_sparsity(plan.sparsity if plan.sparsity is not None else spec.sparsity.level)  # type: ignore[union-attr]
         return backend
 
@@ -137,6 +140,10 @@ class SparseBackend(PagedBackend):
                     module.threshold = float(table[proj][layer])
             if self._stack is not None:
                 self._stack.set_thresholds(table)
+            # the prefix cache's blocks were computed at the old thresholds: new prompts' block
+            # chains start from a root of this level, so they never match them (they age out)
+            if level != getattr(self, "sparsity", None):
+                self.blocks.root_key = block_key(self._root_key, [round(level * 1_000_000)])
             self.sparsity = level
 
     def counts(self) -> tuple[int, int]:

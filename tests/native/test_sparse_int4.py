@@ -273,16 +273,60 @@ def test_isa_can_be_forced_lower_by_environment() -> None:
         si4.set_isa("neon")
 
 
+def _task_state(tid: str) -> tuple[str, int]:
+    """(state, utime + stime in clock ticks) of thread ``tid`` of this process (proc(5): the
+    fields after the parenthesised name are state, ppid, ..., utime at 12th, stime at 13th)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+def _poll_workers(workers: set[str], until: str, deadline_s: float = 10.0) -> None:
+    """Poll every 2 ms until each of ``workers`` is in ``until`` state ('R': running or
+    runnable, 'S': asleep), failing after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        states = {tid: _task_state(tid)[0] for tid in workers}
+        if all(s == until for s in states.values()):
+            return
+        assert time.monotonic() < deadline, f"workers not {until!r} after {deadline_s} s: {states}"
+        time.sleep(0.002)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the pool's threads from Linux's /proc")
 def test_idle_workers_sleep(threads: int) -> None:
+    """The pool's workers (threads - 1 of them: the threads the pool starts) spin for
+    `spin_us` after a call and then sleep on the condition variable: each reaches state 'S'
+    (polled, with a generous deadline) and stays there: asleep at each of 25 polls over a
+    quarter of a second or more, its CPU time (utime + stime) unchanged meanwhile. A spinning
+    worker is 'R' at each poll and gains a clock tick every 10 ms; the probe sees one: with a
+    0.3 s spin, the worker is found running after a call."""
+    k = si4.kernels()
+    spin = k.spin_us()
+    before = set(os.listdir("/proc/self/task"))
+    si4.set_num_threads(threads)  # restarts the pool: its workers are the threads that appear
+    workers = set(os.listdir("/proc/self/task")) - before
+    assert len(workers) == threads - 1, workers
     rng = np.random.default_rng(8)
     lin = SparseInt4Linear.from_codes(*q4_1_like(rng, 1024, 1024))
     x = activations(rng, 1, 1024)[0]
-    for _ in range(50):
-        lin(x, 0.5)
-    time.sleep(0.05)  # the workers' spin (200 us) ends
-    cpu = time.process_time()
-    time.sleep(0.5)
-    assert time.process_time() - cpu < 0.1  # a spinning worker would burn ~0.5 s of CPU here
+    try:
+        if workers:  # the probe can fail: a worker left spinning for 0.3 s is seen running
+            k.set_spin_us(300_000)
+            lin(x, 0.5)
+            _poll_workers(workers, "R")
+            k.set_spin_us(spin)
+        for _ in range(50):
+            lin(x, 0.5)
+        _poll_workers(workers, "S")
+        start = {tid: _task_state(tid)[1] for tid in workers}
+        for _ in range(25):
+            time.sleep(0.01)
+            states = {tid: _task_state(tid) for tid in workers}
+            assert all(state == "S" for state, _ in states.values()), states
+        assert {tid: ticks for tid, (_, ticks) in states.items()} == start
+    finally:
+        k.set_spin_us(spin)
 
 
 def test_calls_from_several_python_threads_are_serialised(threads: int) -> None:
