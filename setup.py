@@ -1,6 +1,6 @@
 """Native extension of llmlocal; everything else is configured in pyproject.toml.
 
-`llmlocal.native.sparse_int4._kernels` (C11): the sparse INT4 GEMV kernels. On x86-64 the
+`llmlocal.native.cpu._kernels` (C11): the CPU kernels (GGUF types in their own bytes, the fused decode step, sparse INT4). On x86-64 the
 AVX2 and AVX-512 variants are compiled in their own translation units with their own -m
 flags and picked at load time by CPU feature checks, so one wheel runs on any x86-64; on
 other architectures only the portable variant is built.
@@ -15,7 +15,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-CSRC = "native/sparse_int4/csrc"
+CSRC = "native/cpu/csrc"
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 # Variant translation unit -> the instruction-set flags it alone is compiled with.
 ISA_SOURCES = {
@@ -71,9 +71,9 @@ class BuildExt(build_ext):
         super().build_extension(ext)
 
 
-def sparse_int4_extension() -> Extension:
+def cpu_kernels_extension() -> Extension:
     ext = Extension(
-        "llmlocal.native.sparse_int4._kernels",
+        "llmlocal.native.cpu._kernels",
         sources=[f"{CSRC}/{name}" for name in ("module.c", "decode_stack.c", "int8_gemv.c", "pool.c", "dispatch.c", "isa_scalar.c", "qmat_scalar.c")],
         include_dirs=[CSRC],
         depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0]],
@@ -85,5 +85,5 @@ def sparse_int4_extension() -> Extension:
     return ext
 
 
-ext_modules = [sparse_int4_extension()] if os.name == "posix" and sys.platform != "cygwin" else []
+ext_modules = [cpu_kernels_extension()] if os.name == "posix" and sys.platform != "cygwin" else []
 setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})

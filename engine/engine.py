@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import ContextOverflowError, LLMLocalError
-from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
+from llmlocal.native.cpu import runtime as sparse_int4_runtime
 
 from .backends.base import Backend
 from .plan import DEFAULT_MAX_CTX, Plan

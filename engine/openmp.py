@@ -7,7 +7,7 @@ spin (two llama.cpp processes side by side: 1.3 tok/s each); with 1,000 turns 12
 turns: 13.2-13.7 alone, 44%; 10,000: 13.3-14.1, 34%.) A laptop is rarely idle and a chat's
 interface shares the cores with the model, so llmlocal waits the short way unless the user
 said how (GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment). llmlocal's own kernels wait
-in their own pool (native/sparse_int4/csrc/pool.c) and are not affected; neither was the paged
+in their own pool (native/cpu/csrc/pool.c) and are not affected; neither was the paged
 engine's decode or prefill speed, measured both ways."""
 
 from __future__ import annotations

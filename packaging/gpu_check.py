@@ -51,7 +51,7 @@ print(json.dumps({
 NATIVE = """
 import json
 import llmlocal.app.cli, llmlocal.engine.backends.paged  # the engine imports without llama_cpp
-from llmlocal.native.sparse_int4 import runtime
+from llmlocal.native.cpu import runtime
 print(json.dumps({"built": runtime.built(), "isa": runtime.isa() if runtime.built() else None}))
 """
 
@@ -176,8 +176,8 @@ class Check:
     def native(self) -> None:
         native = self.run("native kernels", [self.python, "-c", NATIVE], 120)
         if native.ok:
-            native.summary = (f"sparse_int4 built, {native.data['isa']} path" if native.data.get("built")
-                              else "sparse_int4 NOT built: the CPU decode path falls back to torch")
+            native.summary = (f"CPU kernels built, {native.data['isa']} path" if native.data.get("built")
+                              else "CPU kernels NOT built: the CPU decode path falls back to torch")
 
     def bandwidth(self) -> Step:
         bw = self.run("bandwidth", [self.python, str(HERE / "gpu_check_measure.py"), "bandwidth"], 120)

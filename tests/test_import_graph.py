@@ -143,7 +143,7 @@ def test_the_graph_sees_the_imports_it_should() -> None:
     assert "llmlocal.engine.plan" in graph["llmlocal.engine.engine"]
     assert "llmlocal.engine.backends.paged" in graph["llmlocal.engine.engine"]  # imported inside Engine.load
     assert "llmlocal.app.serve.server" not in graph["llmlocal.app.serve.openai_api"]  # Handler, for its type hints only
-    assert "llmlocal.native.sparse_int4.runtime" in graph["llmlocal.native.sparse_int4.linear"]
+    assert "llmlocal.native.cpu.runtime" in graph["llmlocal.native.cpu.linear"]
 
 
 def test_no_module_imports_itself_through_others() -> None:

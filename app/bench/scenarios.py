@@ -31,7 +31,7 @@ from llmlocal.engine.engine import Engine
 from llmlocal.engine.openmp import fastest_when_idle
 from llmlocal.engine.plan import Plan
 from llmlocal.engine.types import DoneEvent, Request, SamplingParams, Stats
-from llmlocal.native.sparse_int4.bench import measure_bandwidth_gb_s
+from llmlocal.native.cpu.bench import measure_bandwidth_gb_s
 
 WORDS = (
     "river stone light garden window morning paper music harbour bridge winter orange "

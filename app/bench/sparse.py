@@ -9,7 +9,7 @@ One run, batch 1, greedy, the same prompt for every engine:
     llamacpp_tok_s       backend `llamacpp` (dense), same file, same thread count
     kernel_bandwidth_gb_s  weight bytes the kernels read / seconds spent inside them, at the
                            requested level
-    machine_bandwidth_gb_s this machine's read bandwidth (`native.sparse_int4.bench.measure_bandwidth_gb_s`)
+    machine_bandwidth_gb_s this machine's read bandwidth (`native.cpu.bench.measure_bandwidth_gb_s`)
 
 A model without calibrated thresholds is calibrated first, through the same pipeline as
 `llmlocal quantize MODEL --sparsity S` (thresholds only, tensors copied byte for byte), into

@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
             raise LLMLocalError(f"--sparsity must be in [0, 1), got {args.sparsity}.")
         result = bench_sparse(args.model, args.sparsity, max_tokens=args.max_tokens, threads=args.threads)
     elif args.scenario == "kernels":
-        from llmlocal.native.sparse_int4 import bench_kernels as bk
-        from llmlocal.native.sparse_int4 import runtime
+        from llmlocal.native.cpu import bench_kernels as bk
+        from llmlocal.native.cpu import runtime
 
         if not runtime.built():
             raise LLMLocalError("The native kernels are not built in this install: reinstall llmlocal with a C compiler.")

@@ -83,7 +83,7 @@ def cpu() -> dict[str, Any]:
 def native_kernels() -> dict[str, Any]:
     """The native CPU kernels: whether they were compiled, the ISA path they took, and the variant
     the GGUF-type kernels run (VNNI, AMX in prefill)."""
-    from llmlocal.native.sparse_int4 import runtime
+    from llmlocal.native.cpu import runtime
 
     if not runtime.built():
         return {"built": False, "error": "not compiled: reinstall llmlocal on a machine with a C compiler"}

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
-from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
+from llmlocal.native.cpu import runtime as sparse_int4_runtime
 
 from ..core.block_manager import ROOT_KEY, BlockManager
 from ..core.kv_disk import DiskTier

@@ -86,7 +86,7 @@ def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner) -> Dis
             rope.update(rotary.cis[: min(2, rotary.cis.shape[0])].cpu().numpy().tobytes())  # position 1: the frequencies
     kernels = "none"
     if runner.device.type == "cpu":
-        from llmlocal.native.sparse_int4 import runtime
+        from llmlocal.native.cpu import runtime
 
         kernels = runtime.isa() if runtime.built() else "none"
     numerics = (f"paged|{runner.device.type}|{net.dtype}|kv={k.dtype}|weights={plan.weights}|kernels={kernels}"

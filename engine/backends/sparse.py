@@ -2,7 +2,7 @@
 
 The paged engine (scheduler, block KV cache, prefix caching, speculative decoding) with the
 INT4 projections repacked at load into the native kernels' column-major layout
-(`llmlocal.native.sparse_int4`). Every projection input is thresholded with the model's
+(`llmlocal.native.cpu`). Every projection input is thresholded with the model's
 calibrated per-layer thresholds (`ModelSpec.sparsity`, written by `llmlocal quantize
 --sparsity`), and the kernels do not read the weight columns of the zeroed inputs: at 50%
 sparsity a decode step reads about half the projection weights.
@@ -26,8 +26,8 @@ import torch
 from llmlocal.models import ModelSpec, ResolvedModel
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
-from llmlocal.native import sparse_int4
-from llmlocal.native.sparse_int4.qlayout import QuantRows
+from llmlocal.native import cpu
+from llmlocal.native.cpu.qlayout import QuantRows
 
 from ..core.block_manager import block_key
 from ..model.fast_decode import FastDecode, native_quant
@@ -47,7 +47,7 @@ def column_min_level() -> float:
     """The sparsity from which an MLP projection's kernels skip the zeroed inputs' columns
     (the column layout) rather than run the interleaved layout's dense kernels on zeroed
     inputs: where skipping measured faster with this CPU's kernels."""
-    return COLUMN_MIN_LEVEL_ZMM if sparse_int4.runtime.qmat_kernel().startswith("avx512vnni") else COLUMN_MIN_LEVEL
+    return COLUMN_MIN_LEVEL_ZMM if cpu.runtime.qmat_kernel().startswith("avx512vnni") else COLUMN_MIN_LEVEL
 
 
 # The 1.5B's matrices (all 28 layers', from memory, two threads, batch 1), column layout against
@@ -99,9 +99,9 @@ class SparseBackend(PagedBackend):
                 "`llmlocal quantize MODEL --sparsity -o OUT.gguf`, or pass --sparsity 0 to run it densely "
                 "through the sparse kernels."
             )
-        sparse_int4.kernels()  # a clear error now if the extension was not built
-        threads = plan.threads or sparse_int4.runtime.default_threads()
-        sparse_int4.set_num_threads(threads)
+        cpu.kernels()  # a clear error now if the extension was not built
+        threads = plan.threads or cpu.runtime.default_threads()
+        cpu.set_num_threads(threads)
         backend = super().load(model, plan.replace(device="cpu", dtype="fp32"), drafter, tokenizer)
         assert isinstance(backend, SparseBackend)
         backend.model_spec = spec

@@ -3,7 +3,7 @@
 A decode step of a small model is hundreds of small torch calls (norms, RoPE, the KV write,
 attention, activations, residuals) around the projections; on the starter model (30 layers)
 they cost more than the projections' weight reads. `FastDecode` hands the whole stack of
-layers to `DecodeStack` (native/sparse_int4/csrc/module.c), which runs the same arithmetic
+layers to `DecodeStack` (native/cpu/csrc/module.c), which runs the same arithmetic
 in C with the projections through the same kernels, and leaves embedding (with its scale),
 final norm, head and sampling to the model. Each layer's family options go with it: QK-norm,
 sandwich norms, the MLP's activation, its sliding window and which RoPE table it rotates with.
@@ -23,10 +23,10 @@ import torch
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
-from llmlocal.native.sparse_int4 import kernels
-from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
-from llmlocal.native.sparse_int4.linear import QuantLinear
-from llmlocal.native.sparse_int4.qlayout import QuantRows
+from llmlocal.native.cpu import kernels
+from llmlocal.native.cpu import runtime as sparse_int4_runtime
+from llmlocal.native.cpu.linear import QuantLinear
+from llmlocal.native.cpu.qlayout import QuantRows
 
 from ..core.model_runner import ModelRunner
 from .attention import AttentionMetadata

@@ -24,8 +24,8 @@ from torch import nn
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
 from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, gguf_to_hf_name, permute_qk, text_tensor_name
-from llmlocal.native.sparse_int4.qlayout import FORMATS as QUANT_FORMATS
-from llmlocal.native.sparse_int4.qlayout import QuantRows
+from llmlocal.native.cpu.qlayout import FORMATS as QUANT_FORMATS
+from llmlocal.native.cpu.qlayout import QuantRows
 
 from .config import ModelConfig, config_from_hf, config_from_spec
 from .draft_head import DraftHead

@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 
 import torch
-from llmlocal.native.sparse_int4 import Int8RowsLinear, SparseInt4Linear
-from llmlocal.native.sparse_int4.linear import QuantLinear
-from llmlocal.native.sparse_int4.qlayout import QuantCodes, QuantRows
+from llmlocal.native.cpu import Int8RowsLinear, SparseInt4Linear
+from llmlocal.native.cpu.linear import QuantLinear
+from llmlocal.native.cpu.qlayout import QuantCodes, QuantRows
 from torch import nn
 
 from .gguf_tensors import Int4Codes

@@ -1,5 +1,5 @@
 """What the paged engine's native CPU path runs: the GGUF types its kernels read in the file's
-own bytes (native/sparse_int4/qlayout.py), whether a whole file runs there, and where that is
+own bytes (native/cpu/qlayout.py), whether a whole file runs there, and where that is
 faster than llama.cpp."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def runs_natively(spec: ModelSpec) -> bool:
     """Whether the paged engine runs this GGUF on a CPU with every projection, the output head
     and the embedding in the native kernels, in the file's own types (the build has them)."""
     from llmlocal.models.tensor_names import PAGED_ARCHS
-    from llmlocal.native.sparse_int4 import runtime
+    from llmlocal.native.cpu import runtime
 
     if spec.format != "gguf" or spec.architecture not in PAGED_ARCHS or not runtime.built():
         return False

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.sizes import format_size
-from llmlocal.native.sparse_int4 import runtime as sparse_int4_runtime
+from llmlocal.native.cpu import runtime as sparse_int4_runtime
 
 from ..plan import Plan
 from .hardware import Hardware

@@ -53,7 +53,7 @@ def test_versions_are_the_installed_ones(report: dict) -> None:
 
 def test_cpu_features_and_the_kernels_isa_match_the_runtime(report: dict) -> None:
     from llmlocal.engine.planning.hardware import simd_features
-    from llmlocal.native.sparse_int4 import runtime
+    from llmlocal.native.cpu import runtime
 
     assert report["cpu"]["simd"] == sorted(simd_features())
     native = report["native_kernels"]

@@ -10,7 +10,7 @@ from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams
 from llmlocal.engine.core.model_runner import StepItem
 from llmlocal.engine.core.sequence import Sequence
 from llmlocal.engine.model.fast_decode import FastDecode
-from llmlocal.native import sparse_int4 as si4
+from llmlocal.native import cpu as si4
 from llmlocal.native.paged_attention.kv_quant import dequantize_q8
 
 PROMPTS = [

@@ -173,7 +173,7 @@ def test_sixteen_concurrent_requests_equal_each_alone_with_int4_weights() -> Non
 
 def test_threads_reach_the_native_kernels() -> None:
     """--threads N sizes the native kernels' pool too, not only torch's."""
-    from llmlocal.native.sparse_int4 import runtime
+    from llmlocal.native.cpu import runtime
 
     before = runtime.num_threads()
     try:

@@ -275,7 +275,7 @@ def test_a_profile_skips_columns_of_the_mlp_only_and_gives_the_interleaved_layou
     import llama_cpp
     from llmlocal.engine.backends.sparse import column_min_level
     from llmlocal.engine.model.sparse_linear import QuantProjection
-    from llmlocal.native.sparse_int4 import runtime
+    from llmlocal.native.cpu import runtime
 
     src = tmp_path / "q4_k_m.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
@@ -647,7 +647,7 @@ def test_native_decode_stack_over_a_long_context(sparse: Engine) -> None:
 def test_native_decode_stack_on_the_other_isas(sparse: Engine, isa: str) -> None:
     """The stack's attention and projections on each lower ISA path of this machine give the
     torch layers' greedy tokens (the best path is the one the other tests run)."""
-    from llmlocal.native import sparse_int4 as si4
+    from llmlocal.native import cpu as si4
 
     if isa not in si4.available_isas():
         pytest.skip(f"this CPU or build has no {isa} path")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from cpu_flags import ISA_FLAGS, missing
-from llmlocal.native import sparse_int4 as si4
+from llmlocal.native import cpu as si4
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
-from llmlocal.native.sparse_int4 import qlayout as ql
+from llmlocal.native.cpu import qlayout as ql
 
 
 def gguf_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:

@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from llmlocal.native.sparse_int4 import runtime
+from llmlocal.native.cpu import runtime
 
 pytestmark = pytest.mark.skipif(not runtime.built(), reason="the native kernels are not built")
 
 
 def test_random_rows_decode_to_finite_weights_of_the_right_shape() -> None:
-    from llmlocal.native.sparse_int4.bench_kernels import TYPES, _type_id, random_rows
+    from llmlocal.native.cpu.bench_kernels import TYPES, _type_id, random_rows
 
     rng = np.random.default_rng(0)
     for name in TYPES:
@@ -25,7 +25,7 @@ def test_random_rows_decode_to_finite_weights_of_the_right_shape() -> None:
 
 
 def test_the_curve_is_consistent_for_every_type_and_kernel_here() -> None:
-    from llmlocal.native.sparse_int4 import bench_kernels as bk
+    from llmlocal.native.cpu import bench_kernels as bk
 
     before, threads = runtime.qmat_kernel(), runtime.num_threads()
     weights = sum(n * k for _, k, n in bk.LAYER_1_5B)
@@ -47,7 +47,7 @@ def test_the_curve_is_consistent_for_every_type_and_kernel_here() -> None:
 
 
 def _runs(kernel: str) -> bool:
-    from llmlocal.native.sparse_int4.bench_kernels import use_kernel
+    from llmlocal.native.cpu.bench_kernels import use_kernel
 
     try:
         use_kernel(kernel)
@@ -66,7 +66,7 @@ def test_the_cli_refuses_an_unknown_type_by_name(capsys: pytest.CaptureFixture[s
 def test_ab_runs_two_builds_in_turns_and_reports_their_ratio() -> None:
     """The A/B harness loads a build from its path in fresh processes (here this build against
     itself): a ratio per type and row count, from both builds' own times."""
-    from llmlocal.native.sparse_int4 import ab_kernels
+    from llmlocal.native.cpu import ab_kernels
 
     so = ab_kernels.current_build()
     args = {"types": ["Q4_K"], "rows": [1, 2], "kernel": None, "threads": 1, "mb": 1, "repeats": 1}
@@ -79,7 +79,7 @@ def test_ab_runs_two_builds_in_turns_and_reports_their_ratio() -> None:
 
 
 def test_ab_refuses_a_ref_that_is_not_a_commit() -> None:
-    from llmlocal.native.sparse_int4 import ab_kernels
+    from llmlocal.native.cpu import ab_kernels
 
     with pytest.raises(SystemExit, match="neither a built"):
         ab_kernels.resolve("no-such-ref-anywhere")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from llmlocal.native import sparse_int4 as si4
-from llmlocal.native.sparse_int4 import SparseInt4Linear
+from llmlocal.native import cpu as si4
+from llmlocal.native.cpu import SparseInt4Linear
 
 D, NH, NKV, HD, FFN = 64, 4, 2, 16, 96
 NQKV = (NH + 2 * NKV) * HD

@@ -18,9 +18,9 @@ import pytest
 import torch
 from llmlocal.engine.model.linear import Int8Linear
 from llmlocal.engine.model.sparse_linear import NativeInt8Linear
-from llmlocal.native import sparse_int4 as si4
-from llmlocal.native.sparse_int4 import Int8RowsLinear
-from llmlocal.native.sparse_int4.reference import INT8_BLOCK, int8_gemv_reference, quantize_activations
+from llmlocal.native import cpu as si4
+from llmlocal.native.cpu import Int8RowsLinear
+from llmlocal.native.cpu.reference import INT8_BLOCK, int8_gemv_reference, quantize_activations
 
 FP32_EPS = float(np.finfo(np.float32).eps)
 # (N, K): K a multiple of 64, of 32 only, of neither; N not a multiple of 4 or of the 256-row piece

@@ -56,9 +56,9 @@ import pytest
 import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
-from llmlocal.native.sparse_int4 import Int8RowsLinear, kernels, runtime
-from llmlocal.native.sparse_int4 import qlayout as ql
-from llmlocal.native.sparse_int4.linear import MATMUL_MIN_ROWS, QuantLinear
+from llmlocal.native.cpu import Int8RowsLinear, kernels, runtime
+from llmlocal.native.cpu import qlayout as ql
+from llmlocal.native.cpu.linear import MATMUL_MIN_ROWS, QuantLinear
 
 from cpu_flags import QMAT_VARIANTS, missing
 from qmat_cases import gguf_blocks

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
-from llmlocal.native.sparse_int4 import kernels, runtime
-from llmlocal.native.sparse_int4 import qlayout as ql
-from llmlocal.native.sparse_int4.linear import QuantLinear, quantize_dequantize
+from llmlocal.native.cpu import kernels, runtime
+from llmlocal.native.cpu import qlayout as ql
+from llmlocal.native.cpu.linear import QuantLinear, quantize_dequantize
 from qmat_cases import gguf_blocks
 
 TYPES = sorted(ql.FORMATS)

@@ -23,10 +23,10 @@ import torch
 from llmlocal.engine.model.gguf_tensors import GGUFTensors
 from llmlocal.engine.model.linear import int4_dequantize
 from llmlocal.models import resolve
-from llmlocal.native import sparse_int4 as si4
-from llmlocal.native.sparse_int4 import PackedInt4, SparseInt4Linear, pack_int4
-from llmlocal.native.sparse_int4 import linear as linear_module
-from llmlocal.native.sparse_int4.reference import (
+from llmlocal.native import cpu as si4
+from llmlocal.native.cpu import PackedInt4, SparseInt4Linear, pack_int4
+from llmlocal.native.cpu import linear as linear_module
+from llmlocal.native.cpu.reference import (
     FP32_EPS,
     error_bound,
     gemv_reference,
@@ -264,7 +264,7 @@ def test_bad_inputs_raise() -> None:
 
 
 def test_isa_can_be_forced_lower_by_environment() -> None:
-    code = "from llmlocal.native import sparse_int4 as s; print(s.isa(), s.best_isa(), s.num_threads())"
+    code = "from llmlocal.native import cpu as s; print(s.isa(), s.best_isa(), s.num_threads())"
     for name in si4.available_isas():
         env = dict(os.environ, LLMLOCAL_SPARSE_ISA=name, LLMLOCAL_SPARSE_THREADS="3")
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-/* CPython binding: llmlocal.native.sparse_int4._kernels.
+/* CPython binding: llmlocal.native.cpu._kernels.
  *
  *   Matrix(codes, sz, n, k, group, sz_f16)     wraps the packed arrays (kept alive, no copy)
  *   Matrix.gemv(x, y, batch, x_stride, y_stride, threshold, dense, counts) -> n_kept
@@ -435,7 +435,7 @@ static PyGetSetDef Matrix_getset[] = {
 };
 
 PyTypeObject si4_matrix_type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.sparse_int4._kernels.Matrix",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.cpu._kernels.Matrix",
     .tp_basicsize = sizeof(MatrixObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Packed INT4 weight (see layout.py) bound to the GEMV kernels.",
@@ -507,7 +507,7 @@ static PyObject *QMatrix_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 }
 
 PyTypeObject si4_qmatrix_type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.sparse_int4._kernels.QMatrix",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.cpu._kernels.QMatrix",
     .tp_basicsize = sizeof(MatrixObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A GGUF-typed weight in its own bytes (see qlayout.py), bound to the int8-activation kernels.",
@@ -626,7 +626,7 @@ static PyGetSetDef Int8Matrix_getset[] = {
 };
 
 static PyTypeObject si8_matrix_type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.sparse_int4._kernels.Int8Matrix",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.cpu._kernels.Int8Matrix",
     .tp_basicsize = sizeof(Int8MatrixObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Row-major INT8 weight with one scale per row, bound to the INT8 GEMV.",
@@ -938,7 +938,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_kernels", "Sparse INT4 GEMV kernels (see llmlocal.native.sparse_int4).", -1,
+    PyModuleDef_HEAD_INIT, "_kernels", "Sparse INT4 GEMV kernels (see llmlocal.native.cpu).", -1,
     module_methods, NULL, NULL, NULL, NULL,
 };
 

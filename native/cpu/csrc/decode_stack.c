@@ -1,5 +1,5 @@
 /* DecodeStack: a decoder's layers for one decode token of up to 8 sequences, in one call (bound in module.c
- * as llmlocal.native.sparse_int4._kernels.DecodeStack).
+ * as llmlocal.native.cpu._kernels.DecodeStack).
  *
  * A Llama-family decoder's layers for one decode token per sequence (fp32): what costs
  * hundreds of small torch calls per step in Python. Per layer, for each sequence:
@@ -515,7 +515,7 @@ static PyMethodDef Stack_methods[] = {
 };
 
 PyTypeObject si4_stack_type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.sparse_int4._kernels.DecodeStack",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "llmlocal.native.cpu._kernels.DecodeStack",
     .tp_basicsize = sizeof(StackObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A decoder's layers for batch-1 decode in one call (see module.c).",

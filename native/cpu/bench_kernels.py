@@ -1,8 +1,8 @@
 """The GGUF-type kernels' cost curve: what a call of 1, 2, 4, ... 64 rows of x costs against 1.
 
-    python -m llmlocal.native.sparse_int4.bench_kernels                 # every type, this CPU's kernel
-    python -m llmlocal.native.sparse_int4.bench_kernels --kernel avx2   # the plain AVX2 kernel
-    python -m llmlocal.native.sparse_int4.bench_kernels --types Q4_K,Q6_K --threads 2 --json
+    python -m llmlocal.native.cpu.bench_kernels                 # every type, this CPU's kernel
+    python -m llmlocal.native.cpu.bench_kernels --kernel avx2   # the plain AVX2 kernel
+    python -m llmlocal.native.cpu.bench_kernels --types Q4_K,Q6_K --threads 2 --json
     llmlocal bench kernels --json                                       # the same, from the CLI
 
 Speculative verification, batched decoding and prefill compute several rows of x per weight
@@ -161,7 +161,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmlocal.native.sparse_int4.bench_kernels", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m llmlocal.native.cpu.bench_kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--types", default=",".join(TYPES), help=f"comma-separated (default: {','.join(TYPES)})")
     p.add_argument("--kernel", default=None, choices=KERNELS, help="the kernel variant (default: the engine's)")
     p.add_argument("--threads", type=int, default=1)

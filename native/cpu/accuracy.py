@@ -1,6 +1,6 @@
 """What rounding activations to int8 costs, on a real file's tensors (a benchmark: it prints).
 
-    python -m llmlocal.native.sparse_int4.accuracy MODEL.gguf [tensor names...]
+    python -m llmlocal.native.cpu.accuracy MODEL.gguf [tensor names...]
 
 For each tensor (every type `qlayout` reads), the RMS error of W x relative to the exact
 float64 product, x heavy-tailed as a language model's activations are (Student's t, 3 degrees

@@ -1,6 +1,6 @@
 """INT4 GEMV over a column-major layout that skips the weights of zero activations (CPU, C).
 
-    from llmlocal.native.sparse_int4 import SparseInt4Linear
+    from llmlocal.native.cpu import SparseInt4Linear
     lin = SparseInt4Linear.from_codes(codes, scale, zero, group_size=32)
     y = lin(x, threshold=t)     # columns j with |x_j| <= t are not read; lin.sparsity says how many
 
@@ -12,7 +12,7 @@ The set: `layout.py` (the packed byte layout, built in numpy), `csrc/` (the C ke
 dense and 2-8-row batch GEMV, a per-row INT8 GEMV for output heads (`Int8RowsLinear`), all
 row-parallel on a persistent thread pool, AVX-512 / AVX2 / portable variants picked at load
 time, and `DecodeStack`, a decoder's layers in one call), `reference.py` (numpy reference and error bound),
-`bench.py` (GB/s; `python -m llmlocal.native.sparse_int4.bench`). Settings: `runtime.py`.
+`bench.py` (GB/s; `python -m llmlocal.native.cpu.bench`). Settings: `runtime.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Benchmark the sparse INT4 GEMV; prints one JSON object.
 
-    python -m llmlocal.native.sparse_int4.bench
-    python -m llmlocal.native.sparse_int4.bench --sparsity 0 0.5 --threads 2 --isa avx2
+    python -m llmlocal.native.cpu.bench
+    python -m llmlocal.native.cpu.bench --sparsity 0 0.5 --threads 2 --isa avx2
 
 Per shape (Llama-3.2-1B's fused qkv, gate/up, down, o_proj; SmolLM2-135M's) and sparsity:
 
@@ -184,7 +184,7 @@ def measure_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmlocal.native.sparse_int4.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m llmlocal.native.cpu.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sparsity", type=float, nargs="+", default=[0.0, 0.5])
     p.add_argument("--threads", type=int, default=None, help="threads per GEMV (default: the runtime's)")

@@ -1,8 +1,8 @@
 """A/B of two builds of the native kernels: ``bench kernels`` rounds, the builds taking turns.
 
-    python -m llmlocal.native.sparse_int4.ab_kernels --base HEAD~1               # a commit, built once
-    python -m llmlocal.native.sparse_int4.ab_kernels --base /path/_kernels.so     # a saved build
-    python -m llmlocal.native.sparse_int4.ab_kernels --base HEAD --kernel avx2 --types Q4_K --rows 1,4,16,64
+    python -m llmlocal.native.cpu.ab_kernels --base HEAD~1               # a commit, built once
+    python -m llmlocal.native.cpu.ab_kernels --base /path/_kernels.so     # a saved build
+    python -m llmlocal.native.cpu.ab_kernels --base HEAD --kernel avx2 --types Q4_K --rows 1,4,16,64
 
 A kernel change is judged against the build before it on the same host, in one run: each round
 runs the base build and the current one (this checkout's extension, or ``--new``) in fresh
@@ -70,7 +70,10 @@ def build_ref(ref: str) -> str:
         return str(built[0])
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha, "setup.py", "native/sparse_int4/csrc"],
+        csrc = "native/cpu/csrc"
+        if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{sha}:{csrc}"], capture_output=True).returncode:
+            csrc = "native/sparse_int4/csrc"  # the kernels' folder before it was named for what it holds
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha, "setup.py", csrc],
                                  check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         print(f"building {ref} ({sha[:12]}) ...", file=sys.stderr)
@@ -132,7 +135,7 @@ def format_table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmlocal.native.sparse_int4.ab_kernels",
+    p = argparse.ArgumentParser(prog="python -m llmlocal.native.cpu.ab_kernels",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="a git ref (built once, cached) or a built _kernels*.so")
     p.add_argument("--new", default=None, help="the same (default: this checkout's build)")
