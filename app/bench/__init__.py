@@ -3,4 +3,4 @@ it as a user would (each engine in a process of its own where figures are compar
 and report JSON-ready figures. `scenarios` holds decode, batch, prefix and prefill and the
 helpers the others share; `spec`, `sparse`, `grammar` and `resume` one scenario each;
 `memory_check` measures what loading and a filled context really cost against
-`engine.memory_model`'s prediction."""
+`engine.planning.memory_model`'s prediction."""
