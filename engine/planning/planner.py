@@ -255,7 +255,7 @@ def _cpu_backend_reason(best: Candidate, hw: Hardware, pins: Pins) -> str | None
         return None
     if p.backend == "paged" and decodes_faster_natively(spec, hw.simd):
         return f"paged: llmlocal's own kernels decode this file's types faster than llama.cpp on a CPU with {FASTER_ON_NAME}"
-    if p.backend == "paged" and p.kv_cache_dir is not None and PARITY_ON <= hw.simd and runs_natively(spec):
+    if p.backend == "paged" and paged_pays(spec, hw.simd, p.kv_cache_dir is not None):  # at parity, for the cache
         return (f"paged: on {PARITY_ON_NAME} llmlocal's own kernels decode this file about as fast as llama.cpp, and its "
                 "prefix cache keeps prompts on disk, so a chat's history or a repeated system prompt is never "
                 "prefilled twice, across restarts too (--no-kv-cache: llama.cpp, which loads sooner)")

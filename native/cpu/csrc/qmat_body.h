@@ -176,37 +176,37 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
  * products q x, |q| <= 2^bits - 1 (Q8_0 through the sign trick: 128), |x| <= 127. */
 #define QUADS_PER_I16(BITS) ((BITS) == 4 ? 8 : (BITS) == 5 ? 4 : (BITS) == 6 ? 2 : 1)
 
-#if QM_VNNI
-/* acc[v] (int32) += the products of code vectors W[0 .. NV-1] with a quad of activations
- * broadcast in xq, each element's four in one vpdpbusd; 8-bit codes are signed, so there
- * |x| * sign(q, x). */
-AI void mac_quad(const __m256i *W, const int NV, __m256i xq, const int BITS, __m256i *acc) {
+/* acc += the products of the codes W with a quad of activations broadcast in xq: VNNI, each
+ * int32 element's four in one vpdpbusd; AVX2, into int16 lanes by vpmaddubsw (the caller widens
+ * after each run of QUADS_PER_RUN quads). 8-bit codes are signed, so there |x| * sign(q, x),
+ * one quad per int16 run on AVX2 (acc is zero there). */
+AI __m256i mac1(__m256i acc, __m256i W, __m256i xq, const int BITS) {
     if (BITS == 8) {
-        const __m256i ax = _mm256_sign_epi8(xq, xq);
-        for (int v = 0; v < NV; v++) acc[v] = QM_DPBUSD(acc[v], ax, _mm256_sign_epi8(W[v], xq));
-        return;
+#if QM_VNNI
+        return QM_DPBUSD(acc, _mm256_sign_epi8(xq, xq), _mm256_sign_epi8(W, xq));
+#else
+        return _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(W, xq));
+#endif
     }
-    for (int v = 0; v < NV; v++) acc[v] = QM_DPBUSD(acc[v], W[v], xq);
+#if QM_VNNI
+    return QM_DPBUSD(acc, W, xq);
+#else
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(W, xq));
+#endif
 }
 
+/* mac1 on code vectors W[0 .. NV-1], into acc[v]. */
+AI void mac_quad(const __m256i *W, const int NV, __m256i xq, const int BITS, __m256i *acc) {
+    for (int v = 0; v < NV; v++) acc[v] = mac1(acc[v], W[v], xq, BITS);
+}
+
+#if QM_VNNI
 /* Quads summed before the sums are widened and weighted: int32 sums never overflow in a group. */
 #define QUADS_PER_RUN(BITS) 64
 
 /* A run's sums as int32, weighted by the row's sub-block scale (one int32 per element). */
 AI __m256i widen(__m256i s, __m256i wt, const int WEIGHTED) { return WEIGHTED ? _mm256_mullo_epi32(s, wt) : s; }
 #else
-/* acc[v] (int16 lanes) += the products of code vectors W[0 .. NV-1] with a quad of activations
- * broadcast in xq; 8-bit codes are signed, so there |x| * sign(q, x), one quad per int16 run
- * (the caller widens after each). */
-AI void mac_quad(const __m256i *W, const int NV, __m256i xq, const int BITS, __m256i *acc) {
-    if (BITS == 8) {
-        const __m256i ax = _mm256_sign_epi8(xq, xq);
-        for (int v = 0; v < NV; v++) acc[v] = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(W[v], xq));
-        return;
-    }
-    for (int v = 0; v < NV; v++) acc[v] = _mm256_add_epi16(acc[v], _mm256_maddubs_epi16(W[v], xq));
-}
-
 #define QUADS_PER_RUN(BITS) QUADS_PER_I16(BITS)
 
 /* A run's int16 sums widened to int32, each pair weighted by wt (the row's sub-block scale
@@ -491,22 +491,6 @@ AI void group_sums_il(const quad_src *p, const int8_t *qx, size_t qs, const int 
             for (int t = 0; t < 2; t++)
                 acc[b][t] = _mm256_add_epi32(acc[b][t], widen(s16[b][t], f[t].wt, INT_SCALED(KIND)));
     }
-}
-
-/* mac_quad on one code vector, the sums passed by value. */
-AI __m256i mac1(__m256i acc, __m256i W, __m256i xq, const int BITS) {
-    if (BITS == 8) {
-#if QM_VNNI
-        return QM_DPBUSD(acc, _mm256_sign_epi8(xq, xq), _mm256_sign_epi8(W, xq));
-#else
-        return _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(W, xq)); /* one quad a run */
-#endif
-    }
-#if QM_VNNI
-    return QM_DPBUSD(acc, W, xq);
-#else
-    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(W, xq));
-#endif
 }
 
 /* group_sums_il for four rows of x (a pass of prefill, of a verification or of a batch), written
