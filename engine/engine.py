@@ -29,6 +29,7 @@ from llmlocal.models.errors import ContextOverflowError, LLMLocalError
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
 
 from .backends.base import Backend
+from .model.gguf_parts import start_packing
 from .plan import DEFAULT_MAX_CTX, Plan
 from .planning.hardware import simd_features
 from .planning.native_support import paged_pays
@@ -76,14 +77,21 @@ class Engine:
 
             backend: Backend = LlamaCppBackend.load(model, plan)
         elif backend_name in ("paged", "sparse"):
-            # our engines tokenize themselves: the vocabulary loads while torch is imported
+            # our engines tokenize themselves: the vocabulary loads while torch is imported, and
+            # on the CPU the weights are packed for the kernels meanwhile
             tokenizer = start_tokenizer(model.path, model.spec.format == "gguf")
-            with _no_gc():
-                if backend_name == "paged":
-                    from .backends.paged import PagedBackend as Ours
-                else:
-                    from .backends.sparse import SparseBackend as Ours
-                backend = Ours.load(model, plan, tokenizer=tokenizer)
+            dense_cpu = backend_name == "paged" and plan.weights == "auto" and not _on_gpu(plan)
+            ahead = start_packing(model.spec) if dense_cpu else None
+            try:
+                with _no_gc():
+                    if backend_name == "paged":
+                        from .backends.paged import PagedBackend as Ours
+                    else:
+                        from .backends.sparse import SparseBackend as Ours
+                    backend = Ours.load(model, plan, tokenizer=tokenizer, ahead=ahead)
+            finally:
+                if ahead is not None:
+                    ahead.close()
         else:  # Plan validates the name; a new backend must be wired in here.
             raise LLMLocalError(f"The backend '{backend_name}' is not available in this build.")
         return cls(backend, model, plan.replace(backend=backend_name))
@@ -91,6 +99,8 @@ class Engine:
     def close(self) -> None:
         self.cancel()
         self.backend.close()
+        if self.backend.name in ("paged", "sparse"):
+            gc.unfreeze()  # what `_no_gc` froze at load, this model's objects among it
 
     def __enter__(self) -> Self:
         return self
@@ -267,14 +277,23 @@ def _auto_backend(model: ResolvedModel, plan: Plan) -> str:
 def _no_gc() -> Iterator[None]:
     """The cyclic garbage collector off while a model loads: importing torch and building the
     model make hundreds of thousands of objects that all live on, and collections triggered by
-    their count walked them again and again (a tenth of the 1.5B's load on the paged engine)."""
+    their count walked them again and again (a tenth of the 1.5B's load on the paged engine).
+    They are then frozen out of the collector's generations (the first collection after
+    loading walked them all: 90 ms, and each full one later again, a pause in a streamed
+    reply); `Engine.close` gives them back, so a closed model's cycles are collected."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
         if was:
             gc.enable()
+
+
+def _on_gpu(plan: Plan) -> bool:
+    """Whether our engine would run the plan on a GPU (`paged_setup.pick_device`)."""
+    return plan.device == "cuda" or (plan.device == "auto" and _cuda_available())
 
 
 def _cuda_available() -> bool:

@@ -114,7 +114,7 @@ DEFAULT_REQUEST = DEFAULT_SPARSITY_REQUEST  # `--sparsity` with no value: `defau
 
 def default_sparsity(spec: ModelSpec) -> SparsityRequest:
     """What `--sparsity` with no value calibrates for the GGUF ``spec`` (see DEFAULT_SPARSITY)."""
-    from llmlocal.engine.model.fast_decode import default_activations
+    from llmlocal.engine.model.gguf_parts import default_activations
 
     return DEFAULT_SPARSITY if default_activations(spec) == "fp32" else dict(DEFAULT_SPARSITY_PROFILE)
 

@@ -27,6 +27,7 @@ import torch
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
+from llmlocal.native.cpu.qlayout import PackAhead
 
 from ..core.block_manager import ROOT_KEY, BlockManager
 from ..core.kv_disk import DiskTier
@@ -109,10 +110,11 @@ class PagedBackend:
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None,
-             tokenizer: Future[Tokenizer] | None = None) -> PagedBackend:
+             tokenizer: Future[Tokenizer] | None = None, ahead: PackAhead | None = None) -> PagedBackend:
         """Load ``model`` as the plan says; ``drafter`` overrides the plan's ``draft`` (a
         drafter of the caller's own, e.g. to test verification with known proposals);
-        ``tokenizer``: the model's tokenizer already loading (`start_tokenizer`)."""
+        ``tokenizer``: the model's tokenizer already loading (`start_tokenizer`); ``ahead``:
+        its projections already packing for the native kernels (`start_packing`)."""
         device = pick_device(plan)
         dtype = pick_dtype(plan, device)
         spec = model.spec
@@ -122,7 +124,7 @@ class PagedBackend:
             if sparse_int4_runtime.built():  # the native kernels' pool (process-wide, as torch's)
                 sparse_int4_runtime.set_num_threads(plan.threads)
         pending = tokenizer or start_tokenizer(model.path, spec.format == "gguf")  # loads beside the weights
-        net = cls._load_net(model, plan, device, dtype, n_ctx)
+        net = cls._load_net(model, plan, device, dtype, n_ctx, ahead)
         vocab = pending.result()
         block_size = plan.block_size
         # Default pool: every batch slot can hold a full context window... capped at 4 windows
@@ -146,11 +148,12 @@ class PagedBackend:
         return cls(runner, vocab, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k, disk)
 
     @classmethod
-    def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
+    def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int,
+                  ahead: PackAhead | None = None) -> LlamaModel:
         """The target model's network (a subclass may build its layers differently)."""
         if model.spec.format == "gguf":
             int4 = native_int4(device, dtype) if plan.weights in ("auto", "int4") else None
-            quant = native_quant(device, dtype, model.spec) if plan.weights == "auto" else None
+            quant = native_quant(device, dtype, model.spec, ahead=ahead) if plan.weights == "auto" else None
             return load_gguf(model.spec, device, dtype, plan.weights, max_position=n_ctx, int4=int4, quant=quant)
         return load_hf(model.path, device, dtype, plan.weights, max_position=n_ctx)
 

@@ -27,7 +27,7 @@ from llmlocal.models import ModelSpec, ResolvedModel
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.native import cpu
-from llmlocal.native.cpu.qlayout import QuantRows
+from llmlocal.native.cpu.qlayout import PackAhead, QuantRows
 
 from ..core.block_manager import block_key
 from ..model.fast_decode import FastDecode, native_quant
@@ -84,7 +84,7 @@ class SparseBackend(PagedBackend):
 
     @classmethod
     def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None,
-             tokenizer: Future[Tokenizer] | None = None) -> SparseBackend:
+             tokenizer: Future[Tokenizer] | None = None, ahead: PackAhead | None = None) -> SparseBackend:
         spec = model.spec
         if spec.format != "gguf":
             raise LLMLocalError(
@@ -102,7 +102,7 @@ class SparseBackend(PagedBackend):
         cpu.kernels()  # a clear error now if the extension was not built
         threads = plan.threads or cpu.runtime.default_threads()
         cpu.set_num_threads(threads)
-        backend = super().load(model, plan.replace(device="cpu", dtype="fp32"), drafter, tokenizer)
+        backend = super().load(model, plan.replace(device="cpu", dtype="fp32"), drafter, tokenizer, ahead)
         assert isinstance(backend, SparseBackend)
         backend.model_spec = spec
         backend._stack = FastDecode.attach(backend.runner)
@@ -111,7 +111,9 @@ class SparseBackend(PagedBackend):
         return backend
 
     @classmethod
-    def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
+    def _load_net(cls, model: ResolvedModel, plan: Plan, device: torch.device, dtype: torch.dtype, n_ctx: int,
+                  ahead: PackAhead | None = None) -> LlamaModel:
+        # (``ahead`` unused: the sparse layout keeps columns apart, which the loader packs itself)
         net = load_gguf(model.spec, device, dtype, "auto", max_position=n_ctx, int4=SparseInt4Projection,
                         quant=native_quant(device, dtype, model.spec, sparse=column_layout(model.spec, plan.sparsity)))
         for layer in net.layers:

@@ -15,21 +15,20 @@ with decodes) goes through the torch model.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from llmlocal.models import ModelSpec
-from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.native.cpu import kernels
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
 from llmlocal.native.cpu.linear import QuantLinear
-from llmlocal.native.cpu.qlayout import QuantRows
+from llmlocal.native.cpu.qlayout import PackAhead, QuantRows
 
 from ..core.model_runner import ModelRunner
 from .attention import AttentionMetadata
+from .gguf_parts import activations
 from .gguf_tensors import INT4_TYPES
 from .linear import Int8Linear
 from .llama import LlamaModel
@@ -55,40 +54,29 @@ def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Proj
 
 
 def native_quant(
-    device: torch.device, dtype: torch.dtype, spec: ModelSpec, sparse: bool | Callable[[QuantRows], bool] = False
+    device: torch.device, dtype: torch.dtype, spec: ModelSpec, sparse: bool | Callable[[QuantRows], bool] = False,
+    ahead: PackAhead | None = None,
 ) -> QuantFactory | None:
     """The layer for the GGUF quantized projections of ``spec``'s file on this device: the
     int8-activation kernels reading each tensor in its own bytes (every type of
     `qlayout.FORMATS`), on the CPU in fp32; None elsewhere. Dense models store columns in quads
     (faster); ``sparse`` keeps each column its own run, so that the kernels skip the columns of
     zeroed inputs (a predicate: for the tensors it returns True for, by their first part).
-    Activations as `default_activations` chooses for the file, or as
-    LLMLOCAL_NATIVE_ACTIVATIONS=int8|fp32 says: with fp32 the 4-bit types keep the INT4 kernels
-    (closer to an exact reference, slower: see docs/backends.md), and only the others take the int8 path."""
+    Activations as `gguf_parts.activations` says: with fp32 the 4-bit types keep the INT4
+    kernels (closer to an exact reference, slower: see docs/backends.md), and only the others
+    take the int8 path. ``ahead``: the dense layout of projections packed beforehand
+    (`gguf_parts.start_packing`)."""
     if native_int4(device, dtype) is None:
         return None
-    mode = (os.environ.get("LLMLOCAL_NATIVE_ACTIVATIONS") or default_activations(spec)).strip().lower()
-    if mode not in ("int8", "fp32"):
-        raise LLMLocalError(f"LLMLOCAL_NATIVE_ACTIVATIONS must be int8 or fp32, not {mode!r}.")
+    mode = activations(spec)
 
     def build(parts: list[QuantRows], bias: torch.Tensor | None) -> QuantProjection | None:
         if mode == "fp32" and all(p.qtype in INT4_TYPES for p in parts):
             return None  # the INT4 factory takes them
         columns = sparse(parts[0]) if callable(sparse) else sparse
-        return QuantProjection(parts, bias, interleaved=not columns)
+        return QuantProjection(parts, bias, interleaved=not columns, ahead=None if columns else ahead)
 
     return build
-
-
-def default_activations(spec: ModelSpec) -> str:
-    """fp32 for a file whose projections are all 4-bit (Q4_0, Q4_1, Q4_K: the INT4 kernels take
-    fp32 activations, and every path - prefill GEMM, batched and single decode - computes the
-    same numbers to float rounding, so greedy output does not depend on batching or the prefix
-    cache); int8 for a mix with other types (Q4_K_M files), whose other types have no fp32
-    kernel (they would otherwise run as torch layers, 4x slower on the 1.5B). Rounding activations makes the paths differ
-    by more than float rounding: greedy output may then change with batching."""
-    types = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
-    return "fp32" if types and types <= INT4_TYPES else "int8"
 
 
 def native_head(model: LlamaModel) -> None:

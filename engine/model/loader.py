@@ -23,12 +23,12 @@ import torch
 from torch import nn
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import LLMLocalError, ModelFormatError
-from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, gguf_to_hf_name, permute_qk, text_tensor_name
-from llmlocal.native.cpu.qlayout import FORMATS as QUANT_FORMATS
+from llmlocal.models.tensor_names import gguf_to_hf_name, text_tensor_name
 from llmlocal.native.cpu.qlayout import QuantRows
 
 from .config import ModelConfig, config_from_hf, config_from_spec
 from .draft_head import DraftHead
+from .gguf_parts import RowFix, file_rows, head_tensor, layer_projections, native_reads, permutes_qk, qk_fixes, same
 from .gguf_tensors import INT4_TYPES, GGUFTensors, Int4Codes, QuantEmbedding
 from .linear import DenseLinear, Int4Linear, Int8Linear, Linear
 from .llama import DecoderLayer, LlamaModel, RMSNorm
@@ -119,35 +119,14 @@ def _check_mode(weights: str) -> None:
         raise LLMLocalError(f"Unknown weight mode '{weights}': choose one of {', '.join(WEIGHT_MODES)}.")
 
 
-RowFix = Callable[[np.ndarray], np.ndarray]
-
-
-def _same(a: np.ndarray) -> np.ndarray:
-    return a
-
-
 class _Tensors:
     """What the layer builder reads from a source, by GGUF tensor name."""
 
     def has(self, name: str) -> bool: ...
 
-    def part(self, name: str, fix: RowFix = _same) -> _Part: ...
+    def part(self, name: str, fix: RowFix = same) -> _Part: ...
 
-    def vec(self, name: str, fix: RowFix = _same) -> torch.Tensor: ...
-
-
-def _qk_fixes(cfg: ModelConfig, permute: bool) -> tuple[RowFix, RowFix, RowFix, RowFix]:
-    """Row permutations into the interleaved RoPE layout: of q, of k, of a fused [q; k; v]
-    (Phi-3), and of a QK-norm weight (one head); identities when ``permute`` is false."""
-    if not permute:
-        return _same, _same, _same, _same
-    nq, nk, rot = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.rotary_dims
-
-    def fused(a: np.ndarray) -> np.ndarray:
-        return np.concatenate([permute_qk(a[:nq], cfg.n_heads, rot), permute_qk(a[nq : nq + nk], cfg.n_kv_heads, rot), a[nq + nk :]])
-
-    return ((lambda a: permute_qk(a, cfg.n_heads, rot)), (lambda a: permute_qk(a, cfg.n_kv_heads, rot)), fused,
-            (lambda a: permute_qk(a, 1, rot)))
+    def vec(self, name: str, fix: RowFix = same) -> torch.Tensor: ...
 
 
 def _build_layer(
@@ -159,17 +138,9 @@ def _build_layer(
 ) -> DecoderLayer:
     """Layer ``i`` of any family: its parts by GGUF name, the family's options from ``cfg``."""
     b = f"blk.{i}."
-    fix_q, fix_k, fix_qkv, fix_head = _qk_fixes(cfg, permute)
-    if src.has(b + "attn_qkv.weight"):  # fused q, k, v (Phi-3)
-        qkv = fuse([src.part(b + "attn_qkv.weight", fix_qkv)])
-    else:
-        qkv = fuse([src.part(b + "attn_q.weight", fix_q), src.part(b + "attn_k.weight", fix_k), src.part(b + "attn_v.weight")])
-    o = fuse([src.part(b + "attn_output.weight")])
-    if src.has(b + "ffn_gate.weight"):
-        gate_up = fuse([src.part(b + "ffn_gate.weight"), src.part(b + "ffn_up.weight")])
-    else:  # gate and up in one tensor, gate rows first (Phi-3)
-        gate_up = fuse([src.part(b + "ffn_up.weight")])
-    down = fuse([src.part(b + "ffn_down.weight")])
+    fix_head = qk_fixes(cfg, permute)[3]
+    qkv, o, gate_up, down = (fuse([src.part(name, fix) for name, fix in parts])
+                             for parts in layer_projections(cfg, src.has, i, permute).values())
     eps = cfg.norm_eps
     extra: dict[str, RMSNorm] = {}
     if cfg.qk_norm:
@@ -214,7 +185,7 @@ def load_gguf(
     cfg = config_from_spec(spec)
     t = GGUFTensors(spec)
     # the model wants q/k rows in the interleaved RoPE layout, which llama/mistral GGUFs have
-    permute = cfg.architecture not in PERMUTED_QK_ARCHS
+    permute = permutes_qk(cfg)
     positions = max_position or cfg.max_position
 
     def need(name: str) -> str:
@@ -226,7 +197,7 @@ def load_gguf(
         def has(self, name: str) -> bool:
             return name in t
 
-        def part(self, name: str, fix: RowFix = _same) -> _Part:
+        def part(self, name: str, fix: RowFix = same) -> _Part:
             need(name)
             info = t.info(name)
             int4 = None
@@ -237,12 +208,11 @@ def load_gguf(
             bias_name = name.replace(".weight", ".bias")
             bias = fix(t.float32(bias_name)) if bias_name in t else None
             q = None
-            fmt = QUANT_FORMATS.get(info.ggml_type)
-            if quant is not None and fmt is not None and info.shape[0] % fmt.dgroup == 0:
-                q = lambda: _file_rows(t.raw(name), info.ggml_type, fix, name)  # noqa: E731
+            if quant is not None and native_reads(info):
+                q = lambda: file_rows(t.raw(name), info.ggml_type, fix, name)  # noqa: E731
             return _Part(int4, lambda: fix(t.float32(name)), bias, q)
 
-        def vec(self, name: str, fix: RowFix = _same) -> torch.Tensor:
+        def vec(self, name: str, fix: RowFix = same) -> torch.Tensor:
             return torch.from_numpy(np.array(fix(t.float32(need(name))), dtype=np.float32)).to(device=device, dtype=torch.float32)
 
     src = File()
@@ -255,13 +225,13 @@ def load_gguf(
         t.release_pages([n for n in t.names() if n.startswith(f"blk.{i}.")])  # packed: its file pages may go
         return built
 
-    head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
+    head = head_tensor(cfg)
 
     def file_head() -> nn.Module | None:
         """The output head in the file's own bytes (reads what the file holds, no more), or None."""
         built = None
         if quant is not None and weights == "auto":
-            hp = src.part(head, (lambda a: a[:head_rows]) if head_rows else _same)
+            hp = src.part(head, (lambda a: a[:head_rows]) if head_rows else same)
             built = quant([hp.quant()], None) if hp.quant is not None else None
             if built is not None and head_rows:
                 built = DraftHead(built, head_rows, t.embedding(head), cfg.vocab_size)
@@ -300,14 +270,6 @@ def load_gguf(
         model.quantize_tied_head()  # a quantized source: INT8 rows lose next to nothing more
     t.release_pages()
     return model
-
-
-def _file_rows(raw: np.ndarray, qtype: int, fix: RowFix, name: str = "") -> QuantRows:
-    """A tensor's rows in the file, in the order ``fix`` puts them (a row permutation, applied
-    to the row indices: nothing is decoded or copied here)."""
-    if fix is _same:
-        return QuantRows(qtype, raw, name=name)
-    return QuantRows(qtype, raw, fix(np.arange(raw.shape[0])), name=name)
 
 
 def load_hf(
@@ -355,12 +317,12 @@ def load_hf(
         def has(self, name: str) -> bool:
             return hf(name) in weight_map
 
-        def part(self, name: str, fix: RowFix = _same) -> _Part:
+        def part(self, name: str, fix: RowFix = same) -> _Part:
             w = hf(name)
             bias_name = w.replace(".weight", ".bias")
             return _Part(None, lambda: fix(get(w)), fix(get(bias_name)) if bias_name in weight_map else None)
 
-        def vec(self, name: str, fix: RowFix = _same) -> torch.Tensor:
+        def vec(self, name: str, fix: RowFix = same) -> torch.Tensor:
             w = fix(get(hf(name)))
             return torch.from_numpy(np.ascontiguousarray(w + norm_shift)).to(device=device, dtype=torch.float32)
 

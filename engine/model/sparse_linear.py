@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import nn
 from llmlocal.native.cpu import Int8RowsLinear, SparseInt4Linear
 from llmlocal.native.cpu.linear import QuantLinear
-from llmlocal.native.cpu.qlayout import QuantCodes, QuantRows
-from torch import nn
+from llmlocal.native.cpu.qlayout import PackAhead, QuantCodes, QuantRows
 
 from .gguf_tensors import Int4Codes
 from .linear import Int8Linear
@@ -99,9 +99,10 @@ class QuantProjection(SparseInt4Projection):
     the int8-activation kernels (`QuantLinear`); parts stacked by rows (fused q/k/v, gate/up).
     `interleaved` (dense decoding) stores columns in quads: faster, but no column is skipped."""
 
-    def __init__(self, parts: list[QuantCodes | QuantRows], bias: torch.Tensor | None = None, interleaved: bool = False) -> None:
+    def __init__(self, parts: list[QuantCodes | QuantRows], bias: torch.Tensor | None = None, interleaved: bool = False,
+                 ahead: PackAhead | None = None) -> None:
         _Counted.__init__(self)
-        self.kernel = QuantLinear(parts, interleaved)  # type: ignore[assignment]
+        self.kernel = QuantLinear(parts, interleaved, ahead)  # type: ignore[assignment]
         self.in_features, self.out_features = self.kernel.in_features, self.kernel.out_features
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.seconds = 0.0

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .layout import PackedInt4, ScaleDtype, pack_int4
-from .qlayout import PackedQuant, QuantCodes, QuantRows, pack, pack_rows
+from .qlayout import PackAhead, PackedQuant, QuantCodes, QuantRows, pack, pack_rows, type_runs
 from .runtime import kernels
 
 MAX_BATCH = 8
@@ -167,10 +167,12 @@ class SparseInt4Linear:
 QM_MAX_BATCH = 64  # rows of x per QMatrix call (csrc/qmat.h)
 
 
-def _pack(parts: list[QuantCodes | QuantRows], interleaved: bool) -> PackedQuant:
-    """One matrix of stacked parts of one type: the file's rows packed in one pass where they can be."""
+def _pack(parts: list[QuantCodes | QuantRows], interleaved: bool, ahead: PackAhead | None = None) -> PackedQuant:
+    """One matrix of stacked parts of one type: the file's rows packed in one pass where they
+    can be (or taken from ``ahead`` if it packed them)."""
     if interleaved and all(isinstance(p, QuantRows) for p in parts):
-        packed = pack_rows(parts)  # type: ignore[arg-type]
+        rows: list[QuantRows] = parts  # type: ignore[assignment]
+        packed = (ahead.take(rows) if ahead is not None else None) or pack_rows(rows)
         if packed is not None:
             return packed
     codes = [p.decode() if isinstance(p, QuantRows) else p for p in parts]
@@ -194,16 +196,11 @@ class QuantLinear:
     # than its own batched kernel there.
     prefill_matmul: bool
 
-    def __init__(self, parts: list[QuantCodes | QuantRows], interleaved: bool = False) -> None:
+    def __init__(self, parts: list[QuantCodes | QuantRows], interleaved: bool = False, ahead: PackAhead | None = None) -> None:
         """``parts``: decoded codes, or a file's rows (`QuantRows`), which the interleaved layout
-        packs straight from the file's bytes."""
-        runs: list[list[QuantCodes | QuantRows]] = []
-        for p in parts:  # consecutive parts of one type share a matrix
-            if runs and runs[-1][0].qtype == p.qtype:
-                runs[-1].append(p)
-            else:
-                runs.append([p])
-        self.packed: list[PackedQuant] = [_pack(r, interleaved) for r in runs]
+        packs straight from the file's bytes (or takes from ``ahead``, which packed them
+        beforehand). Consecutive parts of one type share a matrix."""
+        self.packed: list[PackedQuant] = [_pack(r, interleaved, ahead) for r in type_runs(parts)]
         self.prefill_matmul = not interleaved and kernels().qmat_kernel() != "avx512vnni-amx"
         k = {p.k for p in self.packed}
         if len(k) != 1:

@@ -1,0 +1,65 @@
+"""Packing ahead (`gguf_parts.start_packing`) agrees with the loader: every projection the
+loader builds on the native kernels is taken from what was packed before torch was needed, and
+the arrays are the ones the loader packs itself - on the starter (llama: q and k rows as
+stored) and on the real Qwen2.5-Coder 0.5B Q4_K_M (q and k rows permuted, q/k/v of two types)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from llmlocal.engine.model.fast_decode import native_int4, native_quant
+from llmlocal.engine.model.gguf_parts import start_packing
+from llmlocal.engine.model.loader import load_gguf
+from llmlocal.engine.model.sparse_linear import QuantProjection
+from llmlocal.models import resolve
+from llmlocal.native.cpu import runtime
+
+pytestmark = pytest.mark.skipif(not runtime.built(), reason="the native extension is not built")
+
+Q05 = Path(os.environ.get("LLMLOCAL_DEV_MODELS", Path.home() / ".cache" / "llmlocal-dev")) / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+CPU = torch.device("cpu")
+
+
+def load(spec, ahead=None):
+    return load_gguf(spec, CPU, torch.float32, "auto", max_position=256, int4=native_int4(CPU, torch.float32),
+                     quant=native_quant(CPU, torch.float32, spec, ahead=ahead))
+
+
+def packed(net) -> list:
+    return [p for m in net.modules() if isinstance(m, QuantProjection) for p in m.kernel.packed]
+
+
+def check(model: str) -> None:
+    spec = resolve(model).spec
+    ahead = start_packing(spec)
+    assert ahead is not None
+    try:
+        jobs = ahead.untaken()
+        fast = load(spec, ahead)
+        assert ahead.untaken() == 0, "the loader built a projection the packing ahead did not foresee"
+    finally:
+        ahead.close()
+    own = load(spec)
+    mine, theirs = packed(fast), packed(own)
+    assert len(mine) == len(theirs) == jobs
+    for a, b in zip(mine, theirs, strict=True):
+        for x, y in ((a.codes, b.codes), (a.d, b.d), (a.m, b.m), (a.sc, b.sc), (a.mn, b.mn)):
+            assert (x is None and y is None) or np.array_equal(x, y)
+
+
+def test_the_starter_with_int8_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMLOCAL_NATIVE_ACTIVATIONS", "int8")  # its Q4_1 layers otherwise take the INT4 kernels
+    check(resolve().path)
+
+
+def test_nothing_is_packed_ahead_for_the_int4_kernels() -> None:
+    assert start_packing(resolve().spec) is None  # the starter's 4-bit layers: fp32 activations, INT4 layout
+
+
+@pytest.mark.skipif(not Q05.is_file(), reason="run ../shared/models/fetch-real-models.sh")
+def test_a_real_q4_k_m_file() -> None:
+    check(str(Q05))
