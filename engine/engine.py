@@ -285,8 +285,8 @@ def _no_gc() -> Iterator[None]:
     gc.disable()
     try:
         yield
+        gc.freeze()  # (not after a failed load: its leftovers stay the collector's)
     finally:
-        gc.freeze()
         if was:
             gc.enable()
 

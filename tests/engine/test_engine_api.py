@@ -235,3 +235,20 @@ def test_ignore_eos_decodes_exactly_max_tokens(engine: Engine) -> None:
     _, forced = collect(engine, Request.chat(short, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)))
     assert forced.finish_reason == "length" and forced.stats.completion_tokens == 64
     assert forced.text.startswith(ended.text)
+
+
+def test_our_engines_freeze_what_their_load_made_and_give_it_back_on_close() -> None:
+    """The objects a paged load made leave the collector's generations (no collection walks a
+    loaded model) until the engine closes; a load that fails freezes nothing."""
+    import gc
+
+    from llmlocal.models.errors import LLMLocalError
+
+    before = gc.get_freeze_count()
+    with pytest.raises(LLMLocalError):  # fails after the target loaded: the draft is not a model
+        Engine.load(Plan(backend="paged", n_ctx=256, draft="no-such-draft-model"))
+    assert gc.get_freeze_count() == before
+    e = Engine.load(Plan(backend="paged", n_ctx=256))
+    assert gc.get_freeze_count() > before
+    e.close()
+    assert gc.get_freeze_count() == 0
