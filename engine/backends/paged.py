@@ -27,7 +27,7 @@ import torch
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
-from llmlocal.native.cpu.qlayout import PackAhead
+from llmlocal.native.cpu.pack_ahead import PackAhead
 
 from ..core.block_manager import ROOT_KEY, BlockManager
 from ..core.kv_disk import DiskTier
@@ -111,10 +111,9 @@ class PagedBackend:
     @classmethod
     def load(cls, model: ResolvedModel, plan: Plan, drafter: Drafter | None = None,
              tokenizer: Future[Tokenizer] | None = None, ahead: PackAhead | None = None) -> PagedBackend:
-        """Load ``model`` as the plan says; ``drafter`` overrides the plan's ``draft`` (a
-        drafter of the caller's own, e.g. to test verification with known proposals);
-        ``tokenizer``: the model's tokenizer already loading (`start_tokenizer`); ``ahead``:
-        its projections already packing for the native kernels (`start_packing`)."""
+        """Load ``model`` as the plan says; ``drafter`` overrides the plan's ``draft`` (e.g. to
+        test verification with known proposals); ``tokenizer`` and ``ahead``: the model's
+        tokenizer and kernel layout already under way (`start_tokenizer`, `start_packing`)."""
         device = pick_device(plan)
         dtype = pick_dtype(plan, device)
         spec = model.spec

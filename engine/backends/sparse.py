@@ -27,7 +27,8 @@ from llmlocal.models import ModelSpec, ResolvedModel
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.native import cpu
-from llmlocal.native.cpu.qlayout import PackAhead, QuantRows
+from llmlocal.native.cpu.pack_ahead import PackAhead
+from llmlocal.native.cpu.qlayout import QuantRows
 
 from ..core.block_manager import block_key
 from ..model.fast_decode import FastDecode, native_quant

@@ -24,7 +24,8 @@ from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.native.cpu import kernels
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
 from llmlocal.native.cpu.linear import QuantLinear
-from llmlocal.native.cpu.qlayout import PackAhead, QuantRows
+from llmlocal.native.cpu.pack_ahead import PackAhead
+from llmlocal.native.cpu.qlayout import QuantRows
 
 from ..core.model_runner import ModelRunner
 from .attention import AttentionMetadata

@@ -18,7 +18,8 @@ from llmlocal.models import ModelSpec, TensorInfo
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, permute_qk
 from llmlocal.native.cpu import runtime
-from llmlocal.native.cpu.qlayout import FORMATS, PackAhead, QuantRows
+from llmlocal.native.cpu.pack_ahead import PackAhead
+from llmlocal.native.cpu.qlayout import FORMATS, QuantRows
 
 from .config import ModelConfig, config_from_spec
 from .gguf_tensors import INT4_TYPES, GGUFTensors

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from llmlocal.native.cpu import Int8RowsLinear, SparseInt4Linear
 from llmlocal.native.cpu.linear import QuantLinear
-from llmlocal.native.cpu.qlayout import PackAhead, QuantCodes, QuantRows
+from llmlocal.native.cpu.pack_ahead import PackAhead
+from llmlocal.native.cpu.qlayout import QuantCodes, QuantRows
 
 from .gguf_tensors import Int4Codes
 from .linear import Int8Linear

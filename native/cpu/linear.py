@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from .layout import PackedInt4, ScaleDtype, pack_int4
-from .qlayout import PackAhead, PackedQuant, QuantCodes, QuantRows, pack, pack_rows, type_runs
+from .pack_ahead import PackAhead, type_runs
+from .qlayout import PackedQuant, QuantCodes, QuantRows, pack, pack_rows
 from .runtime import kernels
 
 MAX_BATCH = 8

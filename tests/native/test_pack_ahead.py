@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from llmlocal.native.cpu.bench_kernels import random_rows
-from llmlocal.native.cpu.qlayout import Q4_K, Q6_K, Q8_0, PackAhead, QuantRows, pack_rows, type_runs
+from llmlocal.native.cpu.pack_ahead import PackAhead, type_runs
+from llmlocal.native.cpu.qlayout import Q4_K, Q6_K, Q8_0, QuantRows, pack_rows
 
 pytestmark = pytest.mark.skipif(pack_rows([random_rows(Q8_0, 32, 256, np.random.default_rng(0))]) is None,
                                 reason="the native extension is not built")
