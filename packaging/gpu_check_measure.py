@@ -10,6 +10,9 @@ the device memory in use at the peak (sampled every 10 ms through NVML, or nvidi
 what was in use before this process touched the GPU, and torch's own peak reservation; the
 planner's figure for the GPU includes the CUDA context, which only the first one sees.
 On the CPU (the dry run): the process's peak resident memory less its size before loading.
+``phases`` (CUDA): device memory and torch's reservation after the context alone, after
+loading (weights, KV pool, captured graphs) and after serving: what is not torch's is the
+context, the libraries' workspaces and the loaded kernels.
 
     python packaging/gpu_check_measure.py bandwidth
     python packaging/gpu_check_measure.py memory model.gguf --device cuda --ctx 2048
@@ -22,9 +25,9 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import threading
 import time
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -134,7 +137,6 @@ def _serve(engine: Any, max_batch: int) -> int:
 
 def memory(model: str, device: str, ctx: int) -> dict[str, Any]:
     import psutil
-
     from llmlocal.app.cli import build_parser
     from llmlocal.app.options import choice_from_args
     from llmlocal.engine import Engine
@@ -154,10 +156,27 @@ def memory(model: str, device: str, ctx: int) -> dict[str, Any]:
     else:
         sampler = None
     before = sampler.peak if sampler is not None else 0
+    phases: dict[str, dict[str, int]] = {}
+
+    def phase(name: str) -> None:
+        """Device memory in use (less what was before) and torch's reservation, now."""
+        if device == "cuda" and read_gpu is not None:
+            import torch
+
+            torch.cuda.synchronize()
+            phases[name] = {"device": read_gpu() - before, "torch_reserved": torch.cuda.memory_reserved()}
+
+    if device == "cuda":
+        import torch
+
+        torch.zeros(1, device="cuda")  # the CUDA context alone, before the engine's libraries and kernels
+        phase("context")
     t = time.perf_counter()
     with Engine.load(plan) as engine:
+        phase("loaded")
         tokens = _serve(engine, plan.max_batch)
-    out.update(tokens=tokens, seconds=round(time.perf_counter() - t, 1))
+        phase("served")
+    out.update(tokens=tokens, seconds=round(time.perf_counter() - t, 1), phases=phases)
     key = "cuda:0" if device == "cuda" else "cpu"
     # the planner's peak (loading's high-water mark, or the total if higher) is what must fit
     # and what a sampled peak measures; its total is kept beside it

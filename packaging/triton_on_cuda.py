@@ -27,7 +27,6 @@ from typing import Any
 
 import pytest
 import torch
-
 import llmlocal.native.paged_attention as pa
 
 # ||out - ref|| / ||ref|| allowed per output dtype: fp32 leaves room for tf32 in tl.dot (about

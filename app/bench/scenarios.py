@@ -2,7 +2,7 @@
 
 * decode  batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation (MBU) per
           backend: MBU = bytes read per token (weights + KV of the context) x tok/s / the
-          machine's measured read bandwidth; the backends take turns, round by round, and
+          measured read bandwidth of the memory the weights are in (main memory, or the GPU's); the backends take turns, round by round, and
           each reports its speed relative to the first backend per round and the median.
           After a short prompt, or after one of about N tokens (long-context decode), and per
           KV cache type when several are asked for.
@@ -59,6 +59,34 @@ def _weight_bytes(engine: Engine) -> int:
     if runner is not None:
         return int(runner.model.weight_bytes())
     return engine.model.spec.weight_bytes
+
+
+def _weights_device(engine: Engine) -> str:
+    """Where the weights a decode step reads live: ``cuda`` or ``cpu`` (llama.cpp: its CPU
+    figure, offloaded layers or not)."""
+    runner = getattr(engine.backend, "runner", None)
+    return runner.model.device.type if runner is not None else "cpu"
+
+
+def read_bandwidth_gb_s(device: str) -> float:
+    """Read bandwidth of the memory on ``device``: main memory for ``cpu``, the GPU's own for
+    ``cuda`` (the median of timed sums over a buffer far larger than its L2 cache)."""
+    if device != "cuda":
+        return measure_bandwidth_gb_s()
+    import torch
+
+    a = torch.ones(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a.sum()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a
+    torch.cuda.empty_cache()
+    return (1 << 30) / statistics.median(times[2:]) / 1e9
 
 
 def _kv_value_bytes(engine: Engine) -> float:
@@ -155,7 +183,7 @@ def _engine_process(conn: Connection, plan: Plan, warmup: list[dict[str, str]], 
         if warmup:
             _run(engine, warmup, 8)  # first-call allocations, caches
         kv_value = _kv_value_bytes(engine)
-        conn.send(("ready", {"load_s": load_s, "weight_bytes": _weight_bytes(engine),
+        conn.send(("ready", {"load_s": load_s, "weight_bytes": _weight_bytes(engine), "device": _weights_device(engine),
                              "kv_bytes_per_token": engine.model.spec.kv_bytes_per_token(kv_value)}))
         while (job := conn.recv()) is not None:
             try:
@@ -184,8 +212,7 @@ def bench_decode(
     kinds = kv_dtypes or ["auto"]
     labels = {f"{b}:{k}" if len(kinds) > 1 else b: k for b in backends for k in kinds}
     names = list(labels)
-    bandwidth = measure_bandwidth_gb_s()
-    out: dict[str, Any] = {"scenario": "decode", "bandwidth_gb_s": round(bandwidth, 2), "backends": {}}
+    out: dict[str, Any] = {"scenario": "decode", "bandwidth_gb_s": 0.0, "backends": {}}
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
     if prompt_tokens:
         text = "Here is a list of words. " + _prompt(prompt_tokens, 7) + "\nNow write a long story using these words."
@@ -194,6 +221,8 @@ def bench_decode(
     warmup = [{"role": "user", "content": "Say hello."}]
     with _engines_apart(model, names, n_ctx, threads, warmup, labels) as engines:
         backends = names
+        bandwidth = {d: read_bandwidth_gb_s(d) for d in sorted({str(e.info["device"]) for e in engines.values()})}
+        out["bandwidth_gb_s"] = round(bandwidth[str(engines[names[0]].info["device"])], 2)  # the first backend's
         runs: dict[str, list[Stats]] = {name: [] for name in backends}
         for i in range(rounds):
             prompt = [{"role": "user", "content": m["content"] + f" ({i})"} for m in messages]
@@ -212,7 +241,9 @@ def bench_decode(
                 "itl_ms_p50": s.itl_ms_p50,
                 "itl_ms_p95": s.itl_ms_p95,
                 "bytes_per_token": int(per_token),
-                "mbu": per_token * (s.decode_tok_s or 0) / (bandwidth * 1e9),
+                "device": info["device"],
+                "bandwidth_gb_s": round(bandwidth[str(info["device"])], 2),
+                "mbu": per_token * (s.decode_tok_s or 0) / (bandwidth[str(info["device"])] * 1e9),
                 "prompt_tokens": s.prompt_tokens,
                 "completion_tokens": s.completion_tokens,
                 f"decode_vs_{first}_per_round": [round(r, 3) for r in ratios],

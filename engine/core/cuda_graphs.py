@@ -57,6 +57,7 @@ class DecodeGraphs:
         self.tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=dev)
         self.lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0  # decode steps run by replay (the rest ran eagerly)
         self.logits: dict[int, torch.Tensor] = {}
         pool = None
         for size in reversed(self.sizes):  # largest first: the others fit in its memory pool
@@ -104,4 +105,5 @@ class DecodeGraphs:
         self.lens[:b].copy_(lens)
         self.lens[b:size].fill_(1)
         self.graphs[size].replay()
+        self.replays += 1
         return self.logits[size][:b]

@@ -52,7 +52,7 @@ class Rotary(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, max_position: int, magnitude: float = 1.0) -> None:
         super().__init__()
-        t = torch.arange(max_position, dtype=torch.float32)
+        t = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
         angles = torch.outer(t, inv_freq.float())  # (P, D/2)
         # |cis| = magnitude on the rotating pairs: longrope's attention factor on cos and sin (1
         # for every other scaling); pairs of frequency 0 (past a partial rotary) stay as they are

@@ -88,8 +88,14 @@ PAGED_ACT_PER_TOKEN = 38  # bytes per (chunk token x (d + ffn)) of a prefill ste
 PAGED_LOAD_EXTRA = 25 * MIB  # the loader's other transients
 LOAD_THREADS = 4  # layers the loader packs at once, at most (loader.load_gguf's pool)
 EMBED_PAGES_PER_TOKEN = 8192  # an embedding row read from the mapping touches one or two pages
+# Device memory of the paged engine's process that is not torch's reservation: the CUDA
+# context, the libraries' workspaces, the kernels loaded (torch's, Triton's) and the captured
+# graphs. Measured by the GPU check (packaging/gpu_check_measure.py memory) on an H200 with
+# torch 2.11 and CUDA 13, 2026-11-26: 5.26 GiB in use at the peak, torch's peak reservation
+# 3.90 GiB.
+TORCH_CUDA_CONTEXT = 1400 * MIB
 # ---- assumed (no GPU to measure on) ----
-CUDA_CONTEXT = 400 * MIB  # driver context + cuBLAS workspace, per process and GPU
+CUDA_CONTEXT = 400 * MIB  # llama.cpp's driver context + cuBLAS workspace, per process and GPU
 TORCH_CUDA_SLACK = 0.05  # caching-allocator fragmentation, as a fraction of the GPU total
 
 
@@ -448,7 +454,7 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
         files = max(files, file_pages)
         if on_gpu:
             host_peak = max(host_peak, tokenizer + file_pages + 2 * w.embed_f32 + PAGED_LOAD_EXTRA)
-            gpu_peak = max(gpu_peak, gpu_before + wb + (3 * w.embed_f32 if w.int8_head else 0) + CUDA_CONTEXT)
+            gpu_peak = max(gpu_peak, gpu_before + wb + (3 * w.embed_f32 if w.int8_head else 0) + TORCH_CUDA_CONTEXT)
             gpu_before += wb + kb
         else:
             transient = (3 if w.int8_head else 2) * w.embed_f32 - w.embed
@@ -459,7 +465,8 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
     gpu_total = sum(weights) + sum(kv) + compute
     return [
         DeviceMemory("cpu", overhead=tokenizer, load_peak=host_peak, load_cache=files),
-        DeviceMemory(device, sum(weights), sum(kv), compute, CUDA_CONTEXT + int(TORCH_CUDA_SLACK * gpu_total), load_peak=gpu_peak),
+        DeviceMemory(device, sum(weights), sum(kv), compute, TORCH_CUDA_CONTEXT + int(TORCH_CUDA_SLACK * gpu_total),
+                     load_peak=gpu_peak),
     ]
 
 

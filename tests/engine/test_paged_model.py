@@ -247,3 +247,14 @@ def test_starter_top1_differs_from_the_exact_model_only_at_near_ties(weights: st
     if weights == "dense":
         assert np.abs(ours - exact).max() < 1e-3
     assert_top1_only_at_near_ties(ours, exact, weights)
+
+
+@pytest.mark.parametrize("weights", ["dense", "int8", "auto"])
+def test_the_model_builds_on_a_device_other_than_the_cpu(weights: str) -> None:
+    """Every buffer the loader makes lands on the model's device: built on PyTorch's `meta`
+    device (shapes, no data), a tensor made on the CPU by default fails here as it would on a
+    GPU (the rotary table's positions did: the first GPU run could not load a model)."""
+    net = load_gguf(resolve(None).spec, torch.device("meta"), torch.bfloat16, weights, max_position=64)
+    assert net.device.type == "meta"
+    tensors = list(net.parameters()) + list(net.buffers())
+    assert tensors and {t.device.type for t in tensors} == {"meta"}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ["wheelhouse", "install", "native kernels", "bandwidth", "cuda tests", "triton interpreted", "model",
-         "quantize", "plan", "memory", "bench decode", "bench batch", "bench spec", "bench resume"]
+STEPS = ["wheelhouse", "install", "native kernels", "bandwidth", "model", "quantize", "cuda tests", "triton interpreted",
+         "plan", "memory", "bench decode", "profile", "bench batch", "bench spec", "bench resume"]
 
 
 @pytest.mark.timeout(600)
@@ -39,6 +39,7 @@ def test_dry_run_runs_every_step_and_prints_the_table(tmp_path: Path) -> None:
     assert steps["memory"]["data"]["predicted_bytes"] > 0 and steps["memory"]["data"]["measured_bytes"] > 0
     assert steps["bench decode"]["data"]["backends"]["paged"]["decode_tok_s"] > 0
     assert steps["bench decode"]["data"]["mbu_vs_copy"] > 0
+    assert steps["profile"]["data"]["itl_ms"] > 0 and len(steps["profile"]["data"]["ttft_s"]) == 3
     assert steps["bench batch"]["data"]["paged_batch1_tok_s"] > 0
     assert steps["bench resume"]["data"]["chat"]["cached_prompt_tokens"] > 0  # the disk tier read its blocks back
     assert steps["triton interpreted"]["data"]["passed"] > 0 and "failed" not in steps["triton interpreted"]["data"]
