@@ -10,10 +10,10 @@ context window, tracks cancellation per request, and delegates the rest to the b
 requests one at a time.
 
 With ``Plan.endpoint`` the backend is a remote OpenAI-compatible server (`remote`): no local
-model is resolved or loaded, and the server renders and counts prompts (the backend says so
-with ``renders_prompts``). The app uses the same calls either way; `exact_token_counts`
-tells it when `count_tokens` is an estimate, and `n_ctx` is None when the server does not
-report its context window.
+model is resolved or loaded, and the server renders and counts prompts. The engine asks its
+backend for both either way (`backends.base`); `exact_token_counts` tells the app when
+`count_tokens` is an estimate, and `n_ctx` is None when the server does not report its
+context window.
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import ContextOverflowError, LLMLocalError
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
 
-from .backends.base import Backend
+from .backends.base import Backend, Prompt
 from .model.gguf_parts import start_packing
 from .plan import DEFAULT_MAX_CTX, Plan
 from .planning.hardware import simd_features
 from .planning.native_support import paged_pays
 from .prompt.chat_template import ChatTemplate, fallback_template, template_source
-from .prompt.grammar import check_grammar
 from .prompt.tokenizer import start_tokenizer
 from .types import Event, Message, Request
 
@@ -55,7 +54,6 @@ class Engine:
         self.template = ChatTemplate(source, bos_token=spec.special.bos or "", eos_token=spec.special.eos or "")
         self._cancels: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
-        self._server_side = bool(getattr(backend, "renders_prompts", False))
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -117,7 +115,7 @@ class Engine:
     @property
     def exact_token_counts(self) -> bool:
         """False when `count_tokens` estimates (a remote server that cannot tokenize chats)."""
-        return not self._server_side or bool(self.backend.exact_chat_counts)  # type: ignore[attr-defined]
+        return self.backend.exact_token_counts
 
     @property
     def backend_name(self) -> str:
@@ -131,7 +129,7 @@ class Engine:
     @property
     def template_notice(self) -> str | None:
         """A sentence for the user when chats are rendered with a fallback template."""
-        if self._server_side or self.plan.chat_template is not None or self.model.spec.chat_template:
+        if self.backend.renders_prompts or self.plan.chat_template is not None or self.model.spec.chat_template:
             return None
         if self.fallback_template == "chatml":
             return f"{self.model.name} carries no chat template, so chats are rendered as ChatML: choose another with --chat-template."
@@ -141,11 +139,7 @@ class Engine:
         """The prompt text the model sees for a conversation (generation prompt appended);
         ``tools`` (OpenAI's tool list) through the model's template, or described in the system
         message when the template knows no tools."""
-        if self._server_side:
-            if tools:
-                raise LLMLocalError("Tools are rendered by a local engine and --endpoint runs the model elsewhere: drop --endpoint.")
-            return self.backend.render([Message.coerce(m) for m in messages])  # type: ignore[attr-defined]
-        return self.template.render([Message.coerce(m) for m in messages], tools=tools)
+        return self.backend.render(self.template, [Message.coerce(m) for m in messages], tools)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.backend.tokenize(text, add_special=add_special)
@@ -155,65 +149,42 @@ class Engine:
         return self.backend.token_bytes(token_id)
 
     def prompt_ids(self, request: Request) -> list[int]:
-        if self._server_side:
-            return self.backend.prompt_ids(request)  # type: ignore[attr-defined]
-        if request.prompt is not None:
-            return self.tokenize(request.prompt)
-        text = self.template.render(request.messages)
-        # The template writes BOS itself when the model wants one; add it only if it did not.
-        bos = self.model.spec.special.bos
-        add_bos = not (bos and text.startswith(bos))
-        return self.tokenize(text, add_special=add_bos)
+        prompt = self._prompt(request)
+        if not prompt.exact:
+            raise LLMLocalError(f"The server at {self.model.path} applies its chat template without showing it: "
+                                "exact prompt tokens are not available.")
+        return prompt.ids
 
     def count_tokens(self, messages: Sequence[Message | Mapping[str, str]]) -> int:
-        """Prompt tokens of a conversation: what the app compares with `n_ctx`."""
-        if self._server_side:
-            return self.backend.count_prompt(Request.chat(messages)).tokens  # type: ignore[attr-defined]
-        return len(self.prompt_ids(Request.chat(messages)))
+        """Prompt tokens of a conversation: what the app compares with `n_ctx` (see
+        `exact_token_counts`)."""
+        return self._prompt(Request.chat(messages)).tokens
+
+    def _prompt(self, request: Request) -> Prompt:
+        return self.backend.prompt(request, self.template, self.model.spec.special.bos)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, request: Request) -> Iterator[Event]:
         """Stream events for ``request``. Raises `ContextOverflowError` before streaming if the
         prompt leaves no room for a reply, and `LLMLocalError` if its grammar does not compile."""
-        grammar = request.sampling.grammar
-        if grammar is not None:
-            if self._server_side:
-                raise LLMLocalError(
-                    "A grammar is enforced by a local engine and --endpoint runs the model elsewhere: "
-                    "drop --endpoint, or ask the server for JSON through its own API."
-                )
-            check_grammar(grammar)
-        if request.sampling.logprobs is not None and self._server_side:
-            raise LLMLocalError("Logprobs come from a local engine and --endpoint runs the model elsewhere: drop --endpoint.")
-        if self._server_side:
-            return self._generate_remote(request)
-        prompt_ids = self.prompt_ids(request)
-        if len(prompt_ids) >= self.n_ctx:
-            spec = self.model.spec
-            fix = (
-                f"shorten it or pass --ctx {min(spec.context_length, _round_up(len(prompt_ids) * 2))}"
-                if self.n_ctx < spec.context_length
-                else f"shorten it (this model's maximum is {spec.context_length})"
-            )
-            raise ContextOverflowError(
-                f"The prompt is {len(prompt_ids)} tokens but the context window is {self.n_ctx}: {fix}."
-            )
+        self.backend.check(request)
+        prompt = self._prompt(request)
+        # an estimate (a server that cannot count this prompt) is left to the server to judge
+        if prompt.exact and self.n_ctx is not None and prompt.tokens >= self.n_ctx:
+            window = "the server's context window" if self.backend.renders_prompts else "the context window"
+            raise ContextOverflowError(f"The prompt is {prompt.tokens} tokens but {window} is {self.n_ctx}: "
+                                       f"{self._shorter(prompt.tokens)}.")
         cancel = self._register(request)
-        return self._stream(request, lambda: self.backend.generate(request, prompt_ids, cancel))
+        return self._stream(request, lambda: self.backend.generate(request, prompt, cancel))
 
-    def _generate_remote(self, request: Request) -> Iterator[Event]:
-        # The server tokenizes; its count (exact, or an estimate) decides the overflow check,
-        # and stands in for the prompt tokens when the server reports no usage.
-        count = self.backend.count_prompt(request)  # type: ignore[attr-defined]
-        if count.exact and self.n_ctx is not None and count.tokens >= self.n_ctx:
-            raise ContextOverflowError(
-                f"The prompt is {count.tokens} tokens but the server's context window is {self.n_ctx}: "
-                "shorten it or start a new chat."
-            )
-        cancel = self._register(request)
-        return self._stream(
-            request, lambda: self.backend.generate(request, [], cancel, prompt_tokens=count)  # type: ignore[call-arg]
-        )
+    def _shorter(self, tokens: int) -> str:
+        """How to fit a prompt of ``tokens`` that overflows the context window."""
+        maximum = self.model.spec.context_length
+        if self.backend.renders_prompts:
+            return "shorten it or start a new chat"
+        if self.n_ctx is not None and self.n_ctx < maximum:
+            return f"shorten it or pass --ctx {min(maximum, _round_up(tokens * 2))}"
+        return f"shorten it (this model's maximum is {maximum})"
 
     def _register(self, request: Request) -> threading.Event:
         cancel = threading.Event()

@@ -24,6 +24,7 @@ from ..planning.memory_model import llamacpp_flash_attn
 from ..prompt.detokenize import TextStream
 from ..prompt.grammar import Constraint, TokenMasks
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
+from .base import LocalBackend, Prompt
 
 _params_lock = threading.Lock()
 
@@ -84,7 +85,7 @@ def open_llama(**kwargs: Any) -> Any:
 GGML_KV_TYPES = {"f16": 1, "q8_0": 8}
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(LocalBackend):
     name = "llamacpp"
 
     def __init__(self, llm: Any, model: ResolvedModel, n_ctx: int, device: str) -> None:
@@ -154,7 +155,8 @@ class LlamaCppBackend:
         return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
+    def generate(self, request: Request, prompt: Prompt, cancel: threading.Event) -> Iterator[Event]:
+        prompt_ids = prompt.ids
         recorder = StatsRecorder(self.name, self.device)
         with self._lock:
             # n samples one after another; after the first, the prompt's KV is cached.

@@ -47,6 +47,7 @@ from ..spec.drafter import Drafter, DraftModel, DraftRequest, NgramDrafter
 from ..spec.spec_control import PER_TOKEN_PRIOR, DraftLength
 from ..spec.speculative import verify
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
+from .base import LocalBackend, Prompt
 from .paged_setup import check_same_vocabulary, load_draft, open_disk_tier, pick_device, pick_dtype, pick_kv_dtype
 from .paged_stream import EngineFailure, Stream, logprob_rows
 
@@ -61,8 +62,7 @@ def _close_open_backends() -> None:
         backend.close()
 
 
-
-class PagedBackend:
+class PagedBackend(LocalBackend):
     name = "paged"
 
     def __init__(
@@ -182,7 +182,7 @@ class PagedBackend:
         return self.tokenizer.token_bytes(token_id)
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, request: Request, prompt_ids: list[int], cancel: threading.Event) -> Iterator[Event]:
+    def generate(self, request: Request, prompt: Prompt, cancel: threading.Event) -> Iterator[Event]:
         p = request.sampling
         events: queue.SimpleQueue = queue.SimpleQueue()
         streams = [self._new_stream(request, cancel, events, i) for i in range(p.n)]
@@ -192,7 +192,7 @@ class PagedBackend:
                 self._masks = StepMasks(self.tokenizer.token_masks(self.runner.model.cfg.vocab_size))
             for stream in streams:
                 stream.constraint = self._masks.constraint(p.grammar)
-        seq = Sequence(next(self._ids), prompt_ids, max_tokens=p.max_tokens, extra=streams[0])
+        seq = Sequence(next(self._ids), prompt.ids, max_tokens=p.max_tokens, extra=streams[0])
         try:
             self.scheduler.check_fits(seq)
         except RequestTooLargeError as e:

@@ -2,17 +2,18 @@
 server, `llmlocal serve`), for models that outgrow this machine.
 
 The server owns the model, its chat template and its tokenizer, so this backend differs from
-the local ones in three ways the `Engine` knows about (``renders_prompts = True``):
+the local ones in what it answers to the `Engine` (`base.Backend`; ``renders_prompts = True``):
 
 * Prompts: chat messages go to ``/v1/chat/completions`` as messages and the server applies
   its template; raw prompts go to ``/v1/completions``. `render` asks the server for the text
   where it can (``/apply-template``: llama.cpp, `llmlocal serve`), else renders ChatML (or
   the template the server reported) here, as an approximation.
-* Token counts: `count_prompt` asks the server's tokenizer (llama.cpp ``/tokenize`` after
+* Token counts: `prompt` asks the server's tokenizer (llama.cpp ``/tokenize`` after
   ``/apply-template``, vLLM-style ``/tokenize`` with messages: exact). llama-cpp-python's
   server tokenizes text but not chats, and plain OpenAI servers do neither: counts are then
   estimates (``exact=False``; a ChatML rendering tokenized by the server, or 4 characters a
-  token). The context window comes from ``/props`` (llama.cpp), ``max_model_len`` (vLLM,
+  token). Grammars, logprobs and tools are refused by name (`check`, `render`): they
+  need a local engine. The context window comes from ``/props`` (llama.cpp), ``max_model_len`` (vLLM,
   `llmlocal serve`) or ``--ctx``; otherwise it is unknown (``n_ctx = None``).
 * Cancel: the stream's socket is shut down, which the server sees as the client leaving.
 
@@ -49,18 +50,13 @@ from ..types import (
     Stats,
     TokenEvent,
 )
+from .base import Prompt
 from .remote_http import Endpoint, RemoteContextError, RemoteError, SSEStream
 
 API_KEY_ENV = ("LLMLOCAL_API_KEY", "OPENAI_API_KEY")
 CONNECT_PROBE_S = 30.0  # probing an endpoint the server may not have
 # Stats fields a llmlocal server reports about itself (the rest is measured here).
 _SERVER_STATS = ("cached_prompt_tokens", "kv_blocks_used", "kv_blocks_total", "drafted_tokens", "accepted_tokens", "achieved_sparsity")
-
-
-@dataclass(frozen=True)
-class PromptCount:
-    tokens: int
-    exact: bool  # False: an estimate (the server offers no way to count this prompt)
 
 
 @dataclass
@@ -78,14 +74,14 @@ class _Server:
 
 class RemoteBackend:
     name = "remote"
-    renders_prompts = True  # the Engine asks this backend to render and count prompts
+    renders_prompts = True  # the server's template, not the Engine's
 
     def __init__(self, endpoint: Endpoint, server: _Server) -> None:
         self.endpoint = endpoint
         self.server = server
         self.device = endpoint.netloc
         self.n_ctx: int | None = server.n_ctx
-        self.exact_chat_counts = server.flavor in ("llama.cpp", "vllm")
+        self.exact_token_counts = server.flavor in ("llama.cpp", "vllm")
         self.model = ResolvedModel(name=server.model_id, path=endpoint.url, spec=_remote_spec(endpoint, server))
         self._template = ChatTemplate(server.chat_template or CHATML_TEMPLATE, bos_token=server.bos or "", eos_token=server.eos or "")
         self._specials: int | None = None  # tokens the tokenizer endpoint adds to any text
@@ -107,9 +103,23 @@ class RemoteBackend:
         pass  # every request has its own connection, closed when it ends
 
     # ---- prompts and tokens --------------------------------------------------------------
-    def render(self, messages: Sequence[Message]) -> str:
+    def check(self, request: Request) -> None:
+        if request.sampling.grammar is not None:
+            raise LLMLocalError("A grammar is enforced by a local engine and --endpoint runs the model elsewhere: "
+                                "drop --endpoint, or ask the server for JSON through its own API.")
+        if request.sampling.logprobs is not None:
+            raise LLMLocalError("Logprobs come from a local engine and --endpoint runs the model elsewhere: drop --endpoint.")
+
+    def render(self, template: ChatTemplate, messages: Sequence[Message],
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text the server builds from ``messages`` (approximate on servers that do
-        not say: ChatML, or the template the server reported)."""
+        not say: ChatML, or the template the server reported); ``template`` (the engine's) is
+        not the server's, and goes unused."""
+        if tools:
+            raise LLMLocalError("Tools are rendered by a local engine and --endpoint runs the model elsewhere: drop --endpoint.")
+        return self._render(messages)
+
+    def _render(self, messages: Sequence[Message]) -> str:
         flavor, msgs = self.server.flavor, _messages(messages)
         if flavor == "llama.cpp":
             return str(self.endpoint.call("POST", "/apply-template", {"messages": msgs})["prompt"])
@@ -154,38 +164,36 @@ class RemoteBackend:
         if self.server.flavor == "vllm":
             return self._tokenize_chat(_messages(request.messages))
         if self.server.flavor == "llama.cpp":
-            return self.tokenize(self.render(request.messages))
+            return self.tokenize(self._render(request.messages))
         raise LLMLocalError(
             f"The server at {self.endpoint.url} applies its chat template without showing it: exact prompt tokens are not available."
         )
 
-    def count_prompt(self, request: Request) -> PromptCount:
-        """Prompt tokens of ``request``: exact where the server can tokenize it, else an estimate."""
+    def prompt(self, request: Request, template: ChatTemplate | None = None, bos: str | None = None) -> Prompt:
+        """The request's prompt as the server will see it: its token ids and exact length where
+        the server can tokenize it, else an estimate of the length (no ids)."""
         flavor = self.server.flavor
-        if request.prompt is not None and flavor != "openai":
-            return PromptCount(len(self.tokenize(request.prompt)), True)
-        if request.prompt is None and flavor in ("vllm", "llama.cpp"):
-            return PromptCount(len(self.prompt_ids(request)), True)
+        if (request.prompt is not None and flavor != "openai") or (request.prompt is None and flavor in ("vllm", "llama.cpp")):
+            ids = self.prompt_ids(request)
+            return Prompt(ids, len(ids))
         text = request.prompt if request.prompt is not None else self._template.render(list(request.messages))
         if flavor == "llama-cpp-python":
-            return PromptCount(len(self.tokenize(text)), False)
-        return PromptCount(math.ceil(len(text) / 4), False)  # about 4 characters a token in English
+            return Prompt([], len(self.tokenize(text)), exact=False)
+        return Prompt([], math.ceil(len(text) / 4), exact=False)  # about 4 characters a token in English
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(
-        self, request: Request, prompt_ids: list[int], cancel: threading.Event, prompt_tokens: PromptCount | None = None
-    ) -> Iterator[Event]:
-        """Stream the server's reply. ``prompt_tokens`` (the Engine's count) stands in when
-        the server reports no usage; ``prompt_ids`` is unused (the server tokenizes)."""
+    def generate(self, request: Request, prompt: Prompt, cancel: threading.Event) -> Iterator[Event]:
+        """Stream the server's reply (the server tokenizes: ``prompt``'s count stands in when
+        it reports no usage)."""
         p = request.sampling
         for index in range(p.n):  # n samples one after another, seeds seed, seed + 1, ...
-            yield from self._one(request, index, cancel, prompt_tokens)
+            yield from self._one(request, index, cancel, prompt)
             if cancel.is_set():
                 for rest in range(index + 1, p.n):
                     yield DoneEvent("", "cancelled", Stats(self.name, self.device, n_ctx=self.n_ctx), rest)
                 return
 
-    def _one(self, request: Request, index: int, cancel: threading.Event, prompt_tokens: PromptCount | None) -> Iterator[Event]:
+    def _one(self, request: Request, index: int, cancel: threading.Event, prompt_tokens: Prompt | None) -> Iterator[Event]:
         chat = request.prompt is None
         path = "/v1/chat/completions" if chat else "/v1/completions"
         body = self._body(request, index, prompt_tokens)
@@ -239,7 +247,7 @@ class RemoteBackend:
             reason = self._finish_reason(finish, request.sampling, usage, len(recorder.token_times))
         yield DoneEvent(text, reason, self._stats(recorder, usage, server_stats, prompt_tokens, text), index)
 
-    def _body(self, request: Request, index: int, prompt_tokens: PromptCount | None) -> dict[str, Any]:
+    def _body(self, request: Request, index: int, prompt_tokens: Prompt | None) -> dict[str, Any]:
         p = request.sampling
         body: dict[str, Any] = {
             "model": self.server.model_id,
@@ -275,11 +283,11 @@ class RemoteBackend:
         return "stop"
 
     def _stats(
-        self, recorder: StatsRecorder, usage: Mapping[str, Any], server: Mapping[str, Any], prompt: PromptCount | None, text: str
+        self, recorder: StatsRecorder, usage: Mapping[str, Any], server: Mapping[str, Any], prompt: Prompt | None, text: str
     ) -> Stats:
         chunks = len(recorder.token_times)
         if usage.get("prompt_tokens") is not None:
-            prompt = PromptCount(int(usage["prompt_tokens"]), True)
+            prompt = Prompt([], int(usage["prompt_tokens"]))
         stats = recorder.finish(prompt.tokens if prompt else 0, n_ctx=self.n_ctx)
         if prompt is None or not prompt.exact:
             stats.prefill_tok_s = None  # from an estimated prompt length it would mislead

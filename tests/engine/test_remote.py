@@ -141,7 +141,8 @@ def test_raw_prompts_use_completions_with_exact_counts(remote: Engine, engine: E
     assert remote.tokenize(prompt) == engine.tokenize(prompt)  # the server's tokenizer is the model's
     assert done.stats.prompt_tokens == len(engine.tokenize(prompt))
     assert done.stats.prefill_tok_s is not None
-    assert remote.backend.count_prompt(request).exact is True
+    counted = remote.backend.prompt(request)
+    assert counted.exact is True and counted.ids == engine.tokenize(prompt)
 
 
 def test_token_counts_are_estimates_for_chats_on_this_server(remote: Engine, engine: Engine) -> None:

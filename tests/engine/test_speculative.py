@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams, TokenEvent
+from llmlocal.engine.backends.base import Prompt
 from llmlocal.engine.backends.paged import PagedBackend
 from llmlocal.engine.core.sampling import filtered_probs
 from llmlocal.engine.core.sequence import Sequence
@@ -300,7 +301,7 @@ def test_speculative_samples_follow_the_target_distribution(tiny_pair, temperatu
             nonlocal drafted, accepted
             params = SamplingParams(**{**base.__dict__, "seed": seed})
             tokens: dict[int, list[int]] = {}
-            for event in backend.generate(Request(prompt="x", sampling=params), prompt, threading.Event()):
+            for event in backend.generate(Request(prompt="x", sampling=params), Prompt(prompt, len(prompt)), threading.Event()):
                 if isinstance(event, TokenEvent):
                     tokens.setdefault(event.index, []).extend(event.token_ids)
                 elif isinstance(event, DoneEvent):
