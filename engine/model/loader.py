@@ -12,6 +12,8 @@ size of the loaded model.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -269,7 +271,28 @@ def load_gguf(
     if model.embed is not None and weights != "dense" and cfg.tie_embeddings and emb_type not in FLOAT_TYPES:
         model.quantize_tied_head()  # a quantized source: INT8 rows lose next to nothing more
     t.release_pages()
+    if device.type == "cpu":
+        trim_heap()
     return model
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's malloc_trim, every arena).
+    Loading on the CPU frees many arrays under glibc's mmap threshold (decoded codes, the
+    loader threads' transients) that the heap would otherwise keep: about 210 MiB after loading
+    a 1B of 4-bit types, which the model never uses again. A few milliseconds; a no-op elsewhere."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim  # glibc only (musl, macOS: none)
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc: ctypes.CDLL | bool | None = None
 
 
 def load_hf(

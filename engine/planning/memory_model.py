@@ -37,15 +37,20 @@ quantization (Q4_K/Q5_0/Q6_K/Q8_0 tensors) was held out and lands within 1%.
 * Validation (the same measurements, 20 configurations, 1B at 8192 and the Q4_K_M file held
   out): peak error at most 5.3% (paged, SmolLM2, 8192: glibc heap growth while serving),
   median 0.3%.
-* paged engine, CPU (fp32 activations, INT4 weights). The peak comes while loading: the
-  file's pages (mapped until the model is built) + the weights + the embedding's float32
-  transients (numpy dequantizes with two copies alive; the INT8 head requantization holds
-  three) + glibc heap left over from streaming the tensors (fitted: 5 x the largest
-  projection's uint8 codes, capped at the 32 MiB mmap threshold) + 25 MiB. Serving adds a
-  prefill chunk at full depth: 38 B per (chunk token x (d + ffn)), the context's K/V gathered
-  and expanded to every query head, and the float mask SDPA builds (chunk x n_ctx x 5 B);
-  CPU SDPA takes the flash path with a mask, so no score matrix. Tokenizer: llama.cpp's
-  vocabulary-only model, the llama.cpp overhead.
+* paged engine, CPU. Files of 4-bit types only run the INT4 kernels with fp32 activations;
+  others (Q4_K_M mixes, Q8_0) the kernels that read each type's own bytes with int8
+  activations (`gguf_parts.activations`), which keep the file's bytes. Loading holds the
+  weights built so far, the file's pages of what is being packed (a tied head's, and the
+  tensors in flight) and, for the INT4 kernels, decoded codes and repacking copies (with the
+  pages, about the file's size: a 1B of Q4_0 on 2 threads peaked at 1.40-1.73 GiB for 0.79
+  GiB loaded), glibc heap of freed arrays (fitted: 5 x the largest projection's uint8 codes,
+  capped at the 32 MiB mmap threshold; given back once loaded, `loader.trim_heap`) + 25 MiB.
+  Serving adds a prefill chunk at full depth: 38 B per (chunk token x (d + ffn)), the
+  context's K/V gathered and expanded to every query head, and the float mask SDPA builds
+  (chunk x n_ctx x 5 B); CPU SDPA takes the flash path with a mask, so no score matrix.
+  Tokenizer: llama.cpp's vocabulary-only model, the llama.cpp overhead. Validation
+  (`memory_check`-style, 2026-11-26, Qwen2.5-Coder 0.5B / 1.5B Q4_K_M, the starter, Gemma 3
+  270M, a 1B of Q4_0; context 512 and 4096): see docs/performance.md.
 
 GPU figures (CUDA context, llama.cpp's CUDA compute buffer, torch's allocator slack) could not
 be measured here (no GPU): CUDA buffers are committed in full, so they use llama.cpp's own
@@ -55,9 +60,11 @@ attention), a 400 MiB CUDA context and 5% allocator slack.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..model.gguf_parts import activations
 from ..plan import paged_kv_dtype
 from .native_support import FOUR_BIT_TYPES, NATIVE_TYPES
 
@@ -87,6 +94,7 @@ PAGED_HEAP_CHUNKS = 5  # heap kept after loading, in units of the largest projec
 PAGED_ACT_PER_TOKEN = 38  # bytes per (chunk token x (d + ffn)) of a prefill step, fp32
 PAGED_LOAD_EXTRA = 25 * MIB  # the loader's other transients
 LOAD_THREADS = 4  # layers the loader packs at once, at most (loader.load_gguf's pool)
+INT4_LOAD_BYTES = 8.5  # the INT4 loader's transients per element of the largest fused projection, a thread
 EMBED_PAGES_PER_TOKEN = 8192  # an embedding row read from the mapping touches one or two pages
 # Device memory of the paged engine's process that is not torch's reservation: the CUDA
 # context, the libraries' workspaces, the kernels loaded (torch's, Triton's) and the captured
@@ -309,15 +317,18 @@ def _int4_bytes(n: int, k: int) -> int:
     return n * k // 2 + (k // 32) * n * 4  # codes + (scale, zero) in bf16 per group of 32
 
 
-def _paged_group(parts: list[TensorInfo], mode: str, act_bytes: int) -> int:
-    """Bytes of one fused projection (loader._fuse): INT4 only if every part can be."""
+def _paged_group(parts: list[TensorInfo], mode: str, act_bytes: int, int8_acts: bool = False) -> int:
+    """Bytes of one fused projection (loader._fuse): INT4 only if every part can be, and
+    (``int8_acts``: the native kernels' int8 activations, `gguf_parts.activations`) not where
+    the CPU kernels read every type in the file's own bytes."""
     shapes = [_rows_cols(t) for t in parts]
     n = sum(s[0] for s in shapes)
     k = shapes[0][1]
+    native = mode == "auto" and act_bytes == 4 and _native(parts)
     exact_int4 = all(t.ggml_type in INT4_TYPES and t.shape[0] % 32 == 0 for t in parts)
-    if mode in ("auto", "int4") and exact_int4:
+    if mode in ("auto", "int4") and exact_int4 and not (native and int8_acts):
         return _int4_bytes(n, k)
-    if mode == "auto" and act_bytes == 4 and _native(parts):
+    if native:
         return sum(t.n_bytes for t in parts)  # the CPU kernels keep the file's bytes
     if mode == "int4" and k % 32 == 0:
         return _int4_bytes(n, k)
@@ -343,6 +354,7 @@ class _PagedWeights:
     largest_part: int  # elements of the largest projection (sizes the loader's heap leftovers)
     embed_mapped: bool = False  # rows read from the file's mapping as tokens ask (resident: those)
     loading_file: int = 0  # file bytes resident at once while loading (the head and the layers being packed)
+    loading_anon: int = 0  # the loader's own transients beside them (decoded INT4 codes)
 
     @property
     def total(self) -> int:
@@ -352,14 +364,19 @@ class _PagedWeights:
 def _paged_weights(spec: ModelSpec, mode: str, act_bytes: int) -> _PagedWeights:
     def build() -> _PagedWeights:
         t = _layer_tensors(spec)
-        body = largest = 0
+        body = largest = fused = 0
+        # int8 activations: every projection packed straight from the file's bytes in C (no
+        # uint8 codes in numpy, so no heap left over from them)
+        int8_acts = acts == "int8"
         for i in range(spec.n_layers):
             b = f"blk.{i}."
             for group in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)):
                 parts = [t[b + g + ".weight"] for g in group if b + g + ".weight" in t]
                 if parts:
-                    body += _paged_group(parts, mode, act_bytes)
-                    largest = max(largest, *(p.n_elements for p in parts))
+                    body += _paged_group(parts, mode, act_bytes, int8_acts)
+                    if not (int8_acts and _native(parts)):
+                        largest = max(largest, *(p.n_elements for p in parts))
+                    fused = max(fused, sum(p.n_elements for p in parts))
                 body += sum(t[b + g + ".bias"].n_elements * act_bytes for g in group if b + g + ".bias" in t)
             body += 2 * spec.d_model * 4  # two RMSNorm weights, fp32
         body += spec.d_model * 4
@@ -368,25 +385,31 @@ def _paged_weights(spec: ModelSpec, mode: str, act_bytes: int) -> _PagedWeights:
         rows = n_emb // spec.d_model
         tied = "output.weight" not in t
         if not tied:
-            body += _paged_group([t["output.weight"]], mode, act_bytes)
+            body += _paged_group([t["output.weight"]], mode, act_bytes, int8_acts)
         if emb is not None and mode == "auto" and act_bytes == 4 and _native([emb]):
             # the CPU path: token rows read from the file's mapped bytes, a tied head packed from
-            # them. The loader lets a layer's file pages go once it is packed (GGUFTensors.
-            # release_pages): at once it holds the head's and those of the layers in flight.
+            # them. Loading holds the file's pages of what is being packed (GGUFTensors.
+            # release_pages, PackAhead): with int8 activations each tensor is packed straight from
+            # its pages in C, so at once a tied head's and the largest tensors in flight (measured:
+            # 1-30 MiB above the loaded model on the Qwen2.5-Coder files and the starter).
             body += emb.n_bytes if tied else 0
-            # (A file of 4-bit types only takes the INT4 kernels, whose codes are decoded from
-            # every tensor before any is packed: its pages stay until the end, as before.)
-            head = emb.n_bytes if tied else t["output.weight"].n_bytes
+            threads = min(LOAD_THREADS, os.cpu_count() or 1)  # the loader's (load_gguf)
             layers = [sum(x.n_bytes for n, x in t.items() if n.startswith(f"blk.{i}.")) for i in range(spec.n_layers)]
-            in_flight = head + LOAD_THREADS * max(layers, default=0)
+            # a tied head is packed first: its pages and its packed copy can outgrow the rest
+            pages = threads * max(layers, default=0) + (max(0, 2 * emb.n_bytes - body) if tied else 0)
+            # The INT4 kernels' codes are decoded in numpy, fused and repacked a projection at a
+            # time per loader thread: fitted 8.5 B per element of the largest fused projection
+            # and thread (measured 8.6 on a 1B of Q4_0, 7.4 on the starter, 2 threads).
             four_bit = all(x.ggml_type in FOUR_BIT_TYPES for n, x in t.items() if n.startswith("blk.") and len(x.shape) == 2)
+            anon = int(INT4_LOAD_BYTES * threads * fused) if four_bit and not int8_acts else 0
             return _PagedWeights(body, emb.n_bytes, 0, False, largest, embed_mapped=True,
-                                 loading_file=spec.weight_bytes if four_bit else min(spec.weight_bytes, in_flight))
+                                 loading_file=min(spec.weight_bytes, pages), loading_anon=anon)
         int8_head = tied and mode != "dense" and emb is not None and emb.ggml_type not in (F32, F16, BF16)
         embed = n_emb + rows * 4 if int8_head else n_emb * act_bytes  # INT8 rows + an fp32 scale per row
         return _PagedWeights(body, embed, n_emb * 4, int8_head, largest)
 
-    return _cached(spec, ("paged", mode, act_bytes), build)
+    acts = activations(spec) if mode == "auto" and act_bytes == 4 else ""
+    return _cached(spec, ("paged", mode, act_bytes, acts), build)
 
 
 def paged_weight_bytes(spec: ModelSpec, plan: Plan, act_bytes: int) -> int:
@@ -435,12 +458,13 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
     if plan.kv_cache_dir:  # a request's blocks read from the disk tier wait in memory for their load
         compute = max(compute, kv[0] // max(1, blocks) * -(-n_ctx // plan.block_size))
 
-    # The tokenizer (llama.cpp's vocabulary-only model, the target's only) and the heap the
-    # loader leaves behind: glibc keeps freed chunks below its mmap threshold (at most 32 MiB),
-    # fitted as a multiple of the largest projection's uint8 codes.
+    # The tokenizer (llama.cpp's vocabulary-only model, the target's only), and while loading the
+    # heap of the arrays the loader frees (uint8 codes, below glibc's mmap threshold of at most
+    # 32 MiB: fitted as a multiple of the largest projection's codes), which it gives back once
+    # the model is built on the CPU (loader.trim_heap).
     tokenizer = int(LLAMACPP_OVERHEAD + LLAMACPP_OVERHEAD_PER_VOCAB * spec.vocab_size)
     heap = max(PAGED_HEAP_CHUNKS * min(w.largest_part, 32 * MIB) for w in tables)
-    overhead = tokenizer + heap
+    overhead = tokenizer
 
     # Loading, model by model (target, its tokenizer and KV pool, then the draft): the file's
     # pages stay mapped until the model is built; the embedding is dequantized in numpy (two
@@ -457,7 +481,9 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
             gpu_peak = max(gpu_peak, gpu_before + wb + (3 * w.embed_f32 if w.int8_head else 0) + TORCH_CUDA_CONTEXT)
             gpu_before += wb + kb
         else:
-            transient = (3 if w.int8_head else 2) * w.embed_f32 - w.embed
+            # float32 copies of an embedding the model keeps (they come before it); none where its
+            # rows are read from the file
+            transient = w.loading_anon if w.embed_mapped else (3 if w.int8_head else 2) * w.embed_f32 - w.embed
             host_peak = max(host_peak, host_before + file_pages + wb + transient + heap + PAGED_LOAD_EXTRA)
             host_before += wb + kb + (tokenizer if not host_before else 0)
     if not on_gpu:

@@ -213,8 +213,11 @@ def test_laptop_takes_q4_k_m_of_llama_8b_and_shortens_the_context() -> None:
 
 def test_laptop_reaches_the_default_context_with_qwen2_thanks_to_its_4_kv_heads() -> None:
     c = choose([qwen2_7b("Q4_K_M")], LAPTOP_8GB)
-    assert (c.plan.backend, c.plan.n_ctx, c.plan.kv_dtype) == ("llamacpp", 8192, "q8_0")
+    # the paged engine keeps the file's bytes (int8 activations for a Q4_K_M mix): its f16 KV
+    # fits beside them, where llama.cpp's plan of the same context needs q8_0
+    assert (c.plan.backend, c.plan.n_ctx, c.plan.kv_dtype) == ("paged", 8192, "auto")
     assert "the default (the model takes up to 32768: pass --ctx for more)" in _reasons(c)
+    assert "runner-up: llamacpp on the CPU, Q4_K_M, context 8192, KV q8_0" in _reasons(c)
 
 
 def test_nothing_fits_is_one_sentence_with_the_numbers_and_a_fix() -> None:
@@ -222,8 +225,10 @@ def test_nothing_fits_is_one_sentence_with_the_numbers_and_a_fix() -> None:
         choose([llama_70b("Q4_K_M")], LAPTOP_8GB)
     msg = str(e.value)
     assert msg.count(". ") == 0 and msg.endswith(".")
-    (smallest,) = estimate(llama_70b("Q4_K_M"), Plan(backend="llamacpp", device="cpu", n_ctx=512, kv_dtype="q8_0"), AVX2)
-    assert f"needs {format_size(smallest.need)} on cpu at context 512" in msg and "5.5 GiB is free" in msg
+    # the closest configuration: either engine at context 512 with its smallest KV cache
+    smallest = min(estimate(llama_70b("Q4_K_M"), Plan(backend=b, device="cpu", n_ctx=512, kv_dtype="q8_0", kv_blocks=32), AVX2)[0].need
+                   for b in ("llamacpp", "paged"))
+    assert f"needs {format_size(smallest)} on cpu at context 512" in msg and "5.5 GiB is free" in msg
     assert "use a smaller model, or a smaller quant than Q4_K_M" in msg
     with pytest.raises(NothingFitsError, match="use a smaller quant such as q4_k_m"):
         choose([llama_70b("Q8_0")], LAPTOP_8GB)
@@ -384,23 +389,31 @@ def test_llamacpp_repacked_weights_count_twice_in_rss_once_in_the_need() -> None
     assert avx2.need == plain.need
 
 
-def test_paged_fuses_qkv_into_int4_only_when_every_part_is_4_bit() -> None:
-    """On a CPU, a projection whose parts are all 4-bit runs as INT4 (codes and fp32 scales);
-    one with a Q6_K part, the Q6_K head and the Q4_K embedding keep the file's bytes (the
-    native kernels read them as they are, and token rows are read from the mapped file)."""
+@pytest.mark.parametrize("acts", ["int8", "fp32"])
+def test_paged_keeps_the_file_bytes_or_fuses_into_int4_by_activations(acts: str, monkeypatch) -> None:
+    """On a CPU with int8 activations (a Q4_K_M mix's default) every projection keeps the file's
+    bytes (the native kernels read each type as it is); with fp32 activations a projection
+    whose parts are all 4-bit runs as INT4 (codes and fp32 scales) and one with a Q6_K part
+    keeps the file's bytes. The Q6_K head and the Q4_K embedding keep theirs either way (token
+    rows are read from the mapped file)."""
+    monkeypatch.setenv("LLMLOCAL_NATIVE_ACTIVATIONS", acts)
     spec = llama_8b("Q4_K_M")  # layer 0: attn_v and ffn_down are Q6_K (use_more_bits)
     plan = Plan(backend="paged", device="cpu", n_ctx=512, kv_blocks=32)
     (m,) = estimate(spec, plan)
     t = {x.name: x.n_bytes for x in spec.tensors}
     d, kv, ffn = 4096, 1024, 14336
-    int4 = lambda n, k: n * k // 2 + (k // 32) * n * 4
-    layers = sum(
-        (int4(d + 2 * kv, d) if not _more_bits(i, 32) else sum(t[f"blk.{i}.attn_{p}.weight"] for p in "qkv"))  # q|k|v
-        + int4(d, d) + int4(2 * ffn, d)  # o, gate|up
-        + (int4(d, ffn) if not _more_bits(i, 32) else t[f"blk.{i}.ffn_down.weight"])  # down
-        + 2 * d * 4
-        for i in range(32)
-    )
+    if acts == "int8":
+        layers = sum(n for name, n in t.items() if name.startswith("blk.") and not name.endswith("norm.weight"))
+        layers += 32 * 2 * d * 4
+    else:
+        int4 = lambda n, k: n * k // 2 + (k // 32) * n * 4
+        layers = sum(
+            (int4(d + 2 * kv, d) if not _more_bits(i, 32) else sum(t[f"blk.{i}.attn_{p}.weight"] for p in "qkv"))  # q|k|v
+            + int4(d, d) + int4(2 * ffn, d)  # o, gate|up
+            + (int4(d, ffn) if not _more_bits(i, 32) else t[f"blk.{i}.ffn_down.weight"])  # down
+            + 2 * d * 4
+            for i in range(32)
+        )
     head = t["output.weight"]  # Q6_K, as in the file
     # untied: rows read from the file's Q4_K bytes, resident only as a context touches them
     # (the loader lets the file's pages go: GGUFTensors.release_pages), two pages a token at most
