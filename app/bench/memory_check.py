@@ -21,6 +21,7 @@ anyway. The prediction compared with the measured peak is the memory model's ``p
     python -m llmlocal.app.bench.memory_check              # the validation table (15 configurations)
     python -m llmlocal.app.bench.memory_check --long       # and the 1B shape at 8192 (hours on 2 busy cores)
     python -m llmlocal.app.bench.memory_check --quick      # starter, llamacpp, context 512
+    python -m llmlocal.app.bench.memory_check --model M.gguf --ctx 512,4096 --threads 2   # your files
 """
 
 from __future__ import annotations
@@ -220,6 +221,21 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(head + [format_row(r) for r in rows] + tail)
 
 
+def model_configs(models: list[str], contexts: list[int], backends: list[str], threads: int = 1) -> list[CheckConfig]:
+    """Each model in each backend at each context: the paged engine with one slot of the whole
+    window, llama.cpp with its f16 cache."""
+    out = []
+    for model in models:
+        label = os.path.basename(model)[:14]
+        for n_ctx in contexts:
+            for backend in backends:
+                plan: dict[str, Any] = {"threads": threads}
+                if backend == "paged":
+                    plan.update(kv_blocks=-(-n_ctx // 16), max_batch=1)
+                out.append(CheckConfig(model, backend, n_ctx, "f16" if backend == "llamacpp" else "auto", plan, label=label))
+    return out
+
+
 def default_configs(workdir: str, quick: bool = False, long: bool = False) -> list[CheckConfig]:
     """The starter and a random-weight Llama-3.2-1B (Q4_0) in both backends at several contexts
     (``long``: the 1B at 8192 too, which prefills for a long time on a small CPU)."""
@@ -254,9 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", action="store_true", help="also the 1B shape at context 8192 (slow)")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "llmlocal-memory-check"),
                    help="where the random-weight 1B GGUF is written (700 MB, reused)")
+    p.add_argument("--model", action="append", default=None, metavar="M",
+                   help="measure these models instead (name or path; repeat the option), at --ctx, in --backends")
+    p.add_argument("--ctx", default="512,4096", help="contexts for --model (comma-separated; default 512,4096)")
+    p.add_argument("--backends", default="paged", help="backends for --model (comma-separated; default paged)")
+    p.add_argument("--threads", type=int, default=1, help="threads for --model's engines (default 1)")
     args = p.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
-    rows = validate(default_configs(args.workdir, args.quick, args.long), log=sys.stderr)
+    if args.model:
+        contexts = [int(c) for c in args.ctx.split(",")]
+        configs = model_configs(args.model, contexts, args.backends.split(","), args.threads)
+    else:
+        configs = default_configs(args.workdir, args.quick, args.long)
+    rows = validate(configs, log=sys.stderr)
     print(format_table(rows))
     return 0
 
