@@ -186,12 +186,13 @@ def json_schema_file_grammar(path: str, fix: str) -> Grammar:
     return Grammar.json_schema(read_json_schema_file(path, fix))
 
 
-def base_plan_from_args(args: argparse.Namespace) -> Plan:
-    """The Plan the flags spell out, before the planner fills in what they leave open."""
+def base_plan_from_args(args: argparse.Namespace, model: str | None = None) -> Plan:
+    """The Plan the flags spell out, before the planner fills in what they leave open
+    (``model``: another model than --model's, with the same flags)."""
     from llmlocal.engine import Plan
 
     return Plan(
-        model=args.model,
+        model=model if model is not None else args.model,
         backend=args.backend,
         device=args.device,
         n_ctx=args.ctx,
@@ -245,15 +246,17 @@ def pins_from_args(args: argparse.Namespace) -> Pins:
     )
 
 
-def choice_from_args(args: argparse.Namespace) -> Choice:
-    """The planner's choice for the flags (what `llmlocal plan` prints)."""
+def choice_from_args(args: argparse.Namespace, model: str | None = None) -> Choice:
+    """The planner's choice for the flags (what `llmlocal plan` prints); ``model``: another
+    model than --model's (one picked in the chat), planned with the same flags pinned."""
     from llmlocal.engine.planning.planner import plan_model
 
+    name = model if model is not None else args.model
     try:
-        return plan_model(args.model, pins_from_args(args), base_plan_from_args(args), memory_budget=args.memory_budget)
+        return plan_model(name, pins_from_args(args), base_plan_from_args(args, model), memory_budget=args.memory_budget)
     except ModelNotFoundError:
         set_in = getattr(args, "model_set_in", None)
-        if set_in is None:
+        if set_in is None or model is not None:
             raise
         raise ModelNotFoundError(
             f"The default model '{args.model}' (set in {set_in}) is not on this machine: pull or restore it, "
@@ -261,16 +264,17 @@ def choice_from_args(args: argparse.Namespace) -> Choice:
         ) from None
 
 
-def plan_from_args(args: argparse.Namespace) -> Plan:
-    """The Plan `chat` and `run` load: the planner's choice, with the flags' dimensions pinned.
+def plan_from_args(args: argparse.Namespace, model: str | None = None) -> Plan:
+    """The Plan `chat` and `run` load: the planner's choice, with the flags' dimensions pinned
+    (``model``: another model than --model's, as `choice_from_args`).
 
     Remote endpoints and the sparse backend are not sized by the planner: their Plan is the
     flags as given.
     """
-    base = base_plan_from_args(args)
+    base = base_plan_from_args(args, model)
     if base.endpoint or base.backend in ("sparse", "remote"):
         return base
-    return choice_from_args(args).plan
+    return choice_from_args(args, model).plan
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -106,7 +106,7 @@ def make_app(
     def plan_for(name: str) -> Plan:
         # A model picked in the chat is planned like one named on the command line, with the
         # same flags pinned (the picker runs this in a worker: the planner reads the file).
-        return plan_from_args(argparse.Namespace(**{**vars(args), "model": name, "model_set_in": None}))
+        return plan_from_args(args, model=name)
 
     return ChatApp(
         plan if plan is not None else plan_from_args(args),
