@@ -49,7 +49,7 @@ from ..spec.speculative import verify
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 from .base import LocalBackend, Prompt
 from .paged_setup import check_same_vocabulary, load_draft, open_disk_tier, pick_device, pick_dtype, pick_kv_dtype
-from .paged_stream import EngineFailure, Stream, logprob_rows
+from .paged_stream import EngineFailure, Stream, logprob_rows, stream_of
 
 # Engines not closed by their owner are closed at interpreter exit, while their threads still
 # run: finalizing the modules under a running decode loop aborted the process.
@@ -246,7 +246,7 @@ class PagedBackend(LocalBackend):
                     except BaseException as e:  # a bug: tell every waiting consumer, keep serving
                         for seq in list(self._live.values()):
                             self.scheduler.abort(seq.seq_id)
-                            stream: Stream = seq.extra  # type: ignore[assignment]
+                            stream = stream_of(seq)
                             stream.events.put(EngineFailure(e))
                             if self.disk is not None:
                                 self.disk.release(seq.seq_id)
@@ -265,7 +265,7 @@ class PagedBackend(LocalBackend):
 
     def _step(self) -> None:
         for seq in list(self._live.values()):
-            if seq.extra.cancel.is_set():  # type: ignore[union-attr]
+            if stream_of(seq).cancel.is_set():
                 self.scheduler.abort(seq.seq_id)  # frees its blocks; full ones stay cached
                 self._finish(seq, "cancelled")
         if not self._live:
@@ -306,7 +306,7 @@ class PagedBackend(LocalBackend):
         forks: list[tuple[Sequence, list[tuple[Stream, int, TokenLogprob | None]]]] = []
         row = 0
         for it, tokens in zip(sampled_items, new_tokens):
-            stream: Stream = it.seq.extra  # type: ignore[assignment]
+            stream = stream_of(it.seq)
             sid = it.seq.seq_id
             stream.kv_blocks_used = used
             stream.target_steps += 1
@@ -346,7 +346,7 @@ class PagedBackend(LocalBackend):
         plain = [i for i, it in enumerate(items) if not it.seq.num_draft_tokens]
         out: list[list[int]] = [[] for _ in items]
         if plain:
-            streams: list[Stream] = [items[i].seq.extra for i in plain]  # type: ignore[misc]
+            streams = [stream_of(items[i].seq) for i in plain]
             rows = torch.as_tensor([int(starts[i]) for i in plain])
             tokens = sample_batch(
                 logits[rows],
@@ -359,8 +359,8 @@ class PagedBackend(LocalBackend):
         for i, it in enumerate(items):
             if out[i]:
                 continue
-            seq, stream = it.seq, it.seq.extra
-            assert isinstance(stream, Stream) and stream.proposal is not None
+            seq, stream = it.seq, stream_of(it.seq)
+            assert stream.proposal is not None
             k = seq.num_draft_tokens  # the scheduler may have trimmed the proposal
             drafts = seq.token_ids[seq.num_tokens - k :]
             probs = stream.proposal.probs[:k] if stream.proposal.probs is not None else None
@@ -388,7 +388,7 @@ class PagedBackend(LocalBackend):
             return
         decoding = [
             s for s in running
-            if s.num_uncomputed_tokens == 1 and not s.num_draft_tokens and not s.extra.cancel.is_set()  # type: ignore[union-attr]
+            if s.num_uncomputed_tokens == 1 and not s.num_draft_tokens and not stream_of(s).cancel.is_set()
         ]
         if not decoding:
             return
@@ -399,7 +399,7 @@ class PagedBackend(LocalBackend):
         requests = []
         for seq in decoding:
             if ks[seq.seq_id] > 0:
-                stream: Stream = seq.extra  # type: ignore[assignment]
+                stream = stream_of(seq)
                 requests.append(DraftRequest(seq, ks[seq.seq_id], stream.request.sampling, stream.generator, stream.constraint, room[seq.seq_id]))
         if not requests:
             return
@@ -410,7 +410,7 @@ class PagedBackend(LocalBackend):
         for req, proposal in zip(requests, proposals):
             if proposal.tokens:
                 req.seq.add_draft(proposal.tokens)
-                req.seq.extra.proposal = proposal  # type: ignore[union-attr]
+                stream_of(req.seq).proposal = proposal
 
     def _emit(self, stream: Stream, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Stream one sampled token's text; True if the sample ends here (EOG or stop string)."""
@@ -451,14 +451,14 @@ class PagedBackend(LocalBackend):
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Close the stream of a sequence the scheduler has already let go of."""
-        stream: Stream = seq.extra  # type: ignore[assignment]
+        stream = stream_of(seq)
         self._live.pop(seq.seq_id, None)
         if self.disk is not None:
             self.disk.release(seq.seq_id)
         spec: dict[str, object] = {}
-        if self.drafter is not None:
+        if self.drafter is not None and self.draft_length is not None:
             self.drafter.release(seq.seq_id)
-            self.draft_length.forget(seq.seq_id)  # type: ignore[union-attr]
+            self.draft_length.forget(seq.seq_id)
             spec = {"drafted_tokens": stream.drafted, "accepted_tokens": stream.accepted, "target_steps": stream.target_steps}
         tail = stream.text.flush()
         if tail:

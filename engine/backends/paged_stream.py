@@ -1,4 +1,4 @@
-"""The paged backend's state of one request's sample (`Stream`, hung on `Sequence.extra`) and
+"""The paged backend's state of one request's sample (`Stream`, hung on `Sequence.extra`: `stream_of`) and
 what a failed step pushes to every open request (`EngineFailure`)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.model_runner import StepItem
+from ..core.sequence import Sequence
 from ..core.stats import StatsRecorder
 from ..prompt.detokenize import TextStream
 from ..prompt.grammar import Constraint
@@ -46,12 +47,19 @@ class EngineFailure:
         self.error = error
 
 
+def stream_of(seq: Sequence) -> Stream:
+    """The `Stream` a paged backend's sequence carries (each it makes has one)."""
+    stream = seq.extra
+    assert isinstance(stream, Stream), "a sequence of the paged backend without its stream"
+    return stream
+
+
 def logprob_rows(logits: torch.Tensor, items: list[StepItem]) -> dict[int, torch.Tensor]:
     """A copy of a step's logits rows (each item's ``num_logits``, in order) of the sequences
     whose requests report logprobs, by sequence id."""
     out, row = {}, 0
     for it in items:
-        stream: Stream = it.seq.extra  # type: ignore[assignment]
+        stream = stream_of(it.seq)
         if stream.request.sampling.logprobs is not None:
             out[it.seq.seq_id] = logits[row : row + it.num_logits].clone()
         row += it.num_logits
