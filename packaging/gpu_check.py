@@ -332,7 +332,10 @@ class Check:
                      f"{d['eager_kernels']} kernels")
         else:
             text += " (no CUDA: no graph or kernel timings)"
-        profile.summary = text + "; TTFT " + "/".join(f"{t:.2f}" for t in d["ttft_s"]) + " s"
+        text += "; TTFT " + "/".join(f"{t:.2f}" for t in d["ttft_s"]) + " s"
+        if "prefill_gpu_s" in d:
+            text += f" (GPU {d['prefill_gpu_s']:.2f} of {d['prefill_wall_s']:.2f} s)"
+        profile.summary = text
 
     # ---- the report -----------------------------------------------------------------------
     def finish(self) -> int:
