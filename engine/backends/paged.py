@@ -287,7 +287,7 @@ class PagedBackend(LocalBackend):
             StepItem(s.seq, s.start, s.num_tokens, s.samples, 1 + s.seq.num_draft_tokens if s.samples else 1)
             for s in out.items
         ]
-        masks = self._masks.start(items) if self._masks is not None else None
+        masks = self._masks.start(items, lambda seq: stream_of(seq).constraint) if self._masks is not None else None
         # the draft-length controller prices one-token steps and steps that check drafts; a
         # step with a prompt in it costs per token what neither does, and is not observed
         plain = all(s.num_tokens == 1 and s.start > 0 for s in out.items)

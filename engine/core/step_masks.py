@@ -10,6 +10,7 @@ need not wait for the logits. A row that verifies drafts gets one mask per posit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from ..prompt.grammar import Constraint, TokenMasks, mask_logits
 from ..types import Grammar
 from .model_runner import StepItem
+from .sequence import Sequence
 
 Masks = dict[int, list[np.ndarray | None]]  # sequence id -> a mask per logits row (None: unmasked)
 
@@ -30,17 +32,16 @@ class StepMasks:
     def constraint(self, grammar: Grammar) -> Constraint:
         return self._token_masks.constraint(grammar)
 
-    def start(self, items: list[StepItem]) -> Future[Masks] | None:
-        """The masks of the constrained sampled rows of ``items`` (sequences whose
-        ``extra.constraint`` is set), on the worker; None when there are none."""
-        constrained = [it for it in items if it.sample and getattr(it.seq.extra, "constraint", None) is not None]
+    def start(self, items: list[StepItem], constraint_of: Callable[[Sequence], Constraint | None]) -> Future[Masks] | None:
+        """The masks of the constrained sampled rows of ``items`` (sequences the backend's
+        ``constraint_of`` gives a constraint), on the worker; None when there are none."""
+        constrained = [(it, c) for it in items if it.sample and (c := constraint_of(it.seq)) is not None]
         if not constrained:
             return None
 
         def compute() -> Masks:
             out: Masks = {}
-            for it in constrained:
-                constraint: Constraint = it.seq.extra.constraint  # type: ignore[union-attr]
+            for it, constraint in constrained:
                 k = it.num_logits - 1  # drafts being verified
                 out[it.seq.seq_id] = constraint.allowed_through(it.seq.token_ids[it.seq.num_tokens - k :] if k else [])
             return out
