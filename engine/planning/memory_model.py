@@ -92,6 +92,7 @@ LLAMACPP_ACT_PER_TOKEN_FA = 12.8  # the same with flash attention
 LLAMACPP_SCORE_BYTES_FA = 2.5  # bytes per (KV cell x ubatch token) with flash attention (the mask)
 PAGED_HEAP_CHUNKS = 5  # heap kept after loading, in units of the largest projection's codes
 PAGED_ACT_PER_TOKEN = 38  # bytes per (chunk token x (d + ffn)) of a prefill step, fp32
+PAGED_ACT_PER_TOKEN_INT4 = 50  # the same through the INT4 kernels (fitted: 46 on a 1B of Q4_0, 47-62 on the starter)
 PAGED_LOAD_EXTRA = 25 * MIB  # the loader's other transients
 LOAD_THREADS = 4  # layers the loader packs at once, at most (loader.load_gguf's pool)
 INT4_LOAD_BYTES = 8.5  # the INT4 loader's transients per element of the largest fused projection, a thread
@@ -354,7 +355,7 @@ class _PagedWeights:
     largest_part: int  # elements of the largest projection (sizes the loader's heap leftovers)
     embed_mapped: bool = False  # rows read from the file's mapping as tokens ask (resident: those)
     loading_file: int = 0  # file bytes resident at once while loading (the head and the layers being packed)
-    loading_anon: int = 0  # the loader's own transients beside them (decoded INT4 codes)
+    loading_anon: int = 0  # the loader's own transients beside them (decoded INT4 codes; 0: not the INT4 kernels)
 
     @property
     def total(self) -> int:
@@ -444,8 +445,9 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
 
     chunk = min(plan.max_batch_tokens, n_ctx)
     compute = 0
-    for m, _ in models:
-        layer_act = PAGED_ACT_PER_TOKEN * chunk * (m.d_model + m.d_ffn)
+    for (m, _), w in zip(models, tables):
+        per_token = PAGED_ACT_PER_TOKEN_INT4 if w.loading_anon and not on_gpu else PAGED_ACT_PER_TOKEN
+        layer_act = per_token * chunk * (m.d_model + m.d_ffn)
         # a prefill chunk at depth n_ctx gathers the context's K and V (and a copy in the run
         # dtype) and hands SDPA a (chunk, n_ctx) mask it turns into floats: no score matrix.
         # On the CPU SDPA reads the kv heads for their query heads (torch 2.5+,

@@ -35,11 +35,13 @@ def test_starter_in_llamacpp_at_512_is_predicted_within_10_percent() -> None:
 
 @linux
 def test_starter_in_the_paged_engine_at_512_is_predicted_within_10_percent() -> None:
-    # loading included: the INT4 kernels' decoded codes and repacking copies, the heap given back
+    # loading included: the INT4 kernels' decoded codes and repacking copies, the heap given back.
+    # The peak varies from run to run with how the loader's threads interleave (170-196 MiB
+    # seen): the planner must cover the higher of two.
     (config,) = model_configs(["smollm2-135m"], [512], ["paged"], threads=2)
-    measured = measure(config, timeout=900)
-    assert measured.prompt_tokens >= 500
-    row = Row(config, predict(config), measured)
+    runs = [measure(config, timeout=900) for _ in range(2)]
+    assert all(m.prompt_tokens >= 500 for m in runs)
+    row = Row(config, predict(config), max(runs, key=lambda m: m.peak))
     assert row.error <= 0.10, format_table([row])
 
 
