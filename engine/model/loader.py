@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -281,18 +282,18 @@ def trim_heap() -> None:
     Loading on the CPU frees many arrays under glibc's mmap threshold (decoded codes, the
     loader threads' transients) that the heap would otherwise keep: about 210 MiB after loading
     a 1B of 4-bit types, which the model never uses again. A few milliseconds; a no-op elsewhere."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _libc.malloc_trim  # glibc only (musl, macOS: none)
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
-_libc: ctypes.CDLL | bool | None = None
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim (musl and macOS have none)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def load_hf(
