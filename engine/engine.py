@@ -58,15 +58,16 @@ class Engine:
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def load(cls, plan: Plan | None = None) -> Engine:
-        """Resolve the plan's model and load it in the plan's backend (or, with an endpoint,
-        connect to the server; ``plan.model`` then names one of the server's models)."""
+        """Load the plan's model (resolved already where the plan was made, else resolved here)
+        in the plan's backend (or, with an endpoint, connect to the server; ``plan.model`` then
+        names one of the server's models)."""
         plan = plan or Plan()
         if plan.endpoint is not None or plan.backend == "remote":
             from .backends.remote import RemoteBackend
 
             remote = RemoteBackend.connect(plan)
             return cls(remote, remote.model, plan.replace(backend="remote", model=remote.model.name, n_ctx=remote.n_ctx))
-        model = resolve(plan.model)
+        model = plan.resolved if plan.resolved is not None else resolve(plan.model)
         n_ctx = plan.n_ctx or min(model.spec.context_length, DEFAULT_MAX_CTX)
         plan = plan.replace(n_ctx=n_ctx)
         backend_name = plan.backend if plan.backend != "auto" else _auto_backend(model, plan)

@@ -6,10 +6,13 @@ Until the memory planner chooses them, the fields are filled from CLI flags and 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
 
 from llmlocal.models.errors import LLMLocalError
+
+if TYPE_CHECKING:
+    from llmlocal.models import ResolvedModel
 
 BACKENDS = ("auto", "llamacpp", "paged", "sparse", "remote")
 KV_DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
@@ -50,6 +53,10 @@ class Plan:
     api_key: str | None = None
     # memory planner
     memory_budget: int | None = None  # bytes the plan may use (None: probed)
+    # what `model` resolved to (file, header, template, tokenizer), set where the model was first
+    # resolved (the planner) so that loading reads nothing again; None: Engine.load resolves it.
+    # Not an option: from_dict refuses it, and a plan for another model drops it (replace).
+    resolved: ResolvedModel | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -88,13 +95,15 @@ class Plan:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Plan:
         """Build a Plan from a mapping, rejecting keys it does not know."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"resolved"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise LLMLocalError(f"Unknown plan option(s) {', '.join(unknown)}: valid ones are {', '.join(sorted(known))}.")
         return cls(**values)
 
     def replace(self, **changes: Any) -> Plan:
+        if "model" in changes and changes["model"] != self.model and "resolved" not in changes:
+            changes["resolved"] = None  # what the old name resolved to is not the new model
         return dataclasses.replace(self, **changes)
 
 

@@ -1,9 +1,10 @@
 """Model names -> files, and what a file holds (`ModelSpec`) without loading weights."""
 
 from .errors import LLMLocalError, ModelFormatError, ModelNotFoundError
-from .hf_spec import spec_from_hf
 from .gguf_header import GGUFHeader, TensorInfo, read_gguf_header
+from .hf_spec import spec_from_hf
 from .resolve import DEFAULT_MODEL, STARTER_MODELS, ResolvedModel, resolve, starter_path
+from .shape import ModelShape
 from .spec import ModelSpec, SpecialTokens, spec_from_gguf
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "LLMLocalError",
     "ModelFormatError",
     "ModelNotFoundError",
+    "ModelShape",
     "ModelSpec",
     "ResolvedModel",
     "SpecialTokens",

@@ -11,6 +11,7 @@ from typing import Any
 
 from .errors import ModelFormatError
 from .gguf_header import ArrayInfo, TensorInfo, read_gguf_header
+from .shape import ModelShape
 
 # Activation-sparsity calibration written by `llmlocal quantize --sparsity` (llama.cpp ignores
 # these keys). Each projection input of a layer has a threshold t; inputs with |x| <= t are
@@ -106,20 +107,13 @@ class SparsitySpec:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """Architecture, shapes, tensor directory and tokenizer facts of one model file."""
+class ModelSpec(ModelShape):
+    """Architecture, shapes (`ModelShape`), tensor directory and tokenizer facts of one model file."""
 
     path: str
     format: str  # "gguf"
     name: str
     architecture: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ffn: int
-    vocab_size: int
     context_length: int
     rope_freq_base: float | None
     norm_eps: float | None
@@ -148,10 +142,6 @@ class ModelSpec:
         for t in self.tensors:
             counts[t.type_name] += t.n_bytes
         return dict(counts)
-
-    def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> int:
-        """K and V for one token across all layers: 2 x layers x KV heads x head dim x bytes."""
-        return int(2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_value)
 
     @property
     def vocab_fingerprint(self) -> str:

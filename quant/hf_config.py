@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 from gguf import Keys
-
+from llmlocal.models.shape import ModelShape
 from llmlocal.models.tensor_names import HF_TO_GGUF_ARCH
 
 from .errors import CheckpointError
@@ -53,15 +53,10 @@ GEMMA3_27B_LAYERS = 62
 
 
 @dataclass(frozen=True)
-class LlamaFamilyConfig:
+class LlamaFamilyConfig(ModelShape):
+    """A checkpoint's sizes (`ModelShape`) and what its conversion to GGUF depends on."""
+
     model_type: str  # HF spelling: "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ffn: int
-    vocab_size: int
     context_length: int
     rope_theta: float
     rms_eps: float

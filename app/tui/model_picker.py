@@ -20,7 +20,7 @@ from textual.widgets import DataTable, Input, Label, LoadingIndicator, Static
 if TYPE_CHECKING:
     from llmlocal.engine import Plan
 
-HIDDEN_PLAN_FIELDS = ("model", "api_key")  # the model is the title; a key is never shown
+HIDDEN_PLAN_FIELDS = ("model", "api_key", "resolved")  # the model is the title; a key is never shown
 ALWAYS_SHOWN = ("backend", "device", "n_ctx")
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from llmlocal.models import ModelSpec
 from llmlocal.models.errors import ModelFormatError
+from llmlocal.models.shape import ModelShape
 from llmlocal.models.tensor_names import ENGINE_ARCHS, gguf_arch, text_config
 
 
@@ -48,15 +49,10 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ModelShape):
+    """The decoder the paged engine runs: its sizes (`ModelShape`) and the family's options."""
+
     architecture: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ffn: int
-    vocab_size: int
     max_position: int
     rope_theta: float
     rope_scaling: RopeScaling
@@ -76,10 +72,6 @@ class ModelConfig:
     @property
     def rotary_dims(self) -> int:
         return self.rope_dims or self.head_dim
-
-    @property
-    def group_size(self) -> int:
-        return self.n_heads // self.n_kv_heads
 
     @property
     def scale(self) -> float:

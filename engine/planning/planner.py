@@ -334,13 +334,17 @@ def plan_model(
 ) -> Choice:
     """Resolve ``model`` (a name or path: one file, one variant), probe this machine (or use
     ``hardware``) and choose. The draft named by ``base.draft`` (a model, not "ngram") is
-    read too, so its weights and KV cache are counted."""
+    read too, so its weights and KV cache are counted. The chosen plan carries the resolved
+    model (`Plan.resolved`): loading it reads nothing again."""
     from llmlocal.models import resolve
 
     from .hardware import probe
 
     base = base or Plan(model=model)
-    spec = resolve(model).spec
+    resolved = resolve(model)
+    if base.model == model:
+        base = base.replace(resolved=resolved)
+    spec = resolved.spec
     draft = resolve(base.draft).spec if base.draft and base.draft != "ngram" else None
     hw = hardware or probe(memory_budget)
     backends = BACKENDS

@@ -7,7 +7,6 @@ import threading
 from typing import Iterator
 
 import pytest
-
 from llmlocal.engine import ContextOverflowError, DoneEvent, Engine, Plan, Request, SamplingParams, TokenEvent
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48)
@@ -252,3 +251,21 @@ def test_our_engines_freeze_what_their_load_made_and_give_it_back_on_close() -> 
     assert gc.get_freeze_count() > before
     e.close()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_planned_model_is_resolved_once_and_loaded_as_resolved() -> None:
+    """The planner resolves the model once and the plan carries it (`Plan.resolved`): Engine.load
+    takes that object instead of reading the file's header again; a plan for another model drops
+    it, and it is not an option a plan file can set."""
+    from llmlocal.engine.planning.planner import plan_model
+    from llmlocal.models import LLMLocalError
+
+    plan = plan_model("smollm2-135m", base=Plan(model="smollm2-135m", backend="llamacpp", n_ctx=256)).plan
+    assert plan.resolved is not None and plan.resolved.name == "smollm2-135m"
+    with Engine.load(plan) as engine:
+        assert engine.model is plan.resolved
+    assert plan.replace(n_ctx=512).resolved is plan.resolved
+    assert plan.replace(model="another.gguf").resolved is None
+    assert plan.replace(resolved=None) == plan  # not part of what a plan compares
+    with pytest.raises(LLMLocalError, match="resolved"):
+        Plan.from_dict({"model": "smollm2-135m", "resolved": None})
