@@ -35,7 +35,7 @@ class Stream:
     drafted: int = 0  # draft tokens verified, and how many of them the target kept
     accepted: int = 0
     target_steps: int = 0  # steps that produced tokens for this sample
-    start_mark: object = None  # a subclass's counters when the request started (`_extra_stats`)
+    start_mark: tuple[int, int] | None = None  # a subclass's counters when the request started (`_extra_stats`)
     constraint: Constraint | None = None  # the request's grammar: where this sample stands in it
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens' so far, when asked for
 

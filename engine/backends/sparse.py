@@ -108,7 +108,11 @@ class SparseBackend(PagedBackend):
         backend.model_spec = spec
         backend._stack = FastDecode.attach(backend.runner)
         backend._root_key = backend.blocks.root_key
-        backend.set_sparsity(plan.sparsity if plan.sparsity is not None else spec.sparsity.level)  # type: ignore[union-attr]
+        level = plan.sparsity
+        if level is None:
+            assert spec.sparsity is not None  # a file without thresholds was refused above
+            level = spec.sparsity.level
+        backend.set_sparsity(level)
         return backend
 
     @classmethod
@@ -126,7 +130,12 @@ class SparseBackend(PagedBackend):
 
     # ---- sparsity ------------------------------------------------------------------------
     def projections(self) -> dict[str, list[SparseProjection]]:
-        return projection_modules(self.runner.model)  # type: ignore[return-value]
+        """Projection name -> its module in each layer: every one a sparse projection (_load_net)."""
+        out: dict[str, list[SparseProjection]] = {}
+        for name, modules in projection_modules(self.runner.model).items():
+            out[name] = [m for m in modules if isinstance(m, (SparseInt4Projection, ThresholdedLinear))]
+            assert len(out[name]) == len(modules), f"{name}: a projection the sparse backend did not wrap"
+        return out
 
     def set_sparsity(self, level: float) -> None:
         """Use the thresholds of ``level`` (0: dense). Takes effect at the next step."""
@@ -181,6 +190,8 @@ class SparseBackend(PagedBackend):
     def _extra_stats(self, stream: Stream) -> dict[str, object]:
         # Counted over every step while the request ran: exact for one request at a time,
         # the batch's mix when several run together.
-        s0, t0 = stream.start_mark  # type: ignore[misc]
+        if stream.start_mark is None:
+            return {}
+        s0, t0 = stream.start_mark
         s1, t1 = self.counts()
         return {"achieved_sparsity": (s1 - s0) / (t1 - t0)} if t1 > t0 else {}
