@@ -17,6 +17,9 @@ in G weight-rows/s (weights times rows per second).
 ``peak``: the same kernel's inner instruction sequence alone (`mac_peak`: independent int8
 multiply-adds, vpmaddubsw + vpaddw on AVX2, vpdpbusd with VNNI), in G multiply-adds/s on one
 thread: what a call of many rows could reach if unpacking, scaling and memory cost nothing.
+``pass_peak`` (the avx2 kernel): its multi-row passes alone, the multiply-adds of four rows of x
+over 16 rows of W and each group's float update, from L1: the ceiling of that path's structure
+(the update per group of 32 inputs is what the activations' per-32 scales cost).
 Weights are random codes with sane scales: the kernels' speed does not depend on the values.
 """
 
@@ -132,18 +135,22 @@ def bench_kernels(types: list[str], rows: tuple[int, ...] = ROWS, kernel: str | 
         del copies, first
     if name != "scalar":  # (the portable kernel has no one instruction sequence)
         out["peak_g_mac_s"] = round(peak(name), 1)
+    if name == "avx2":
+        out["pass_peak_g_mac_s"] = round(peak(name, passes=True), 1)
     return out
 
 
-def peak(kernel: str) -> float:
-    """G int8 multiply-adds a second on one thread by the kernel's instruction sequence alone."""
+def peak(kernel: str, passes: bool = False) -> float:
+    """G int8 multiply-adds a second on one thread by the kernel's instruction sequence alone,
+    or (``passes``, the avx2 kernel) by its multi-row passes alone: their multiply-adds and each
+    group's float update, from L1, with none of the call's other work (the ceiling of that path)."""
     K = kernels()
-    iters = 1 << 22
-    K.mac_peak(kernel, 1 << 16)  # warm up the core's clock
+    iters = 1 << 14 if passes else 1 << 22  # about 0.5 G multiply-adds either way
+    K.mac_peak(kernel, iters >> 6, passes)  # warm up the core's clock
     best = 0.0
     for _ in range(5):
         t0 = time.perf_counter()
-        macs = K.mac_peak(kernel, iters)
+        macs = K.mac_peak(kernel, iters, passes)
         best = max(best, macs / (time.perf_counter() - t0) / 1e9)
     return best
 
@@ -157,6 +164,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{'':<8}" + "".join(f"{g:>8.1f}" for g in k["g_weight_rows_s"]) + f"   (1 row: {k['one_row_gb_s']} GB/s)")
     if "peak_g_mac_s" in result:
         lines.append(f"the kernel's multiply-add sequence alone: {result['peak_g_mac_s']} G MAC/s a thread")
+    if "pass_peak_g_mac_s" in result:
+        lines.append(f"its multi-row passes alone (multiply-adds and float updates): {result['pass_peak_g_mac_s']} G MAC/s")
     return "\n".join(lines)
 
 

@@ -695,13 +695,15 @@ static PyObject *py_mac_peak(PyObject *mod, PyObject *args) {
     (void)mod;
     const char *kernel;
     long long iters;
-    if (!PyArg_ParseTuple(args, "sL", &kernel, &iters)) return NULL;
+    int passes = 0;
+    if (!PyArg_ParseTuple(args, "sL|p", &kernel, &iters, &passes)) return NULL;
     long long macs;
     Py_BEGIN_ALLOW_THREADS
-    macs = qm_mac_peak(kernel, iters);
+    macs = passes ? qm_pass_peak(kernel, iters) : qm_mac_peak(kernel, iters);
     Py_END_ALLOW_THREADS
     if (macs < 0) {
-        PyErr_Format(PyExc_ValueError, "no multiply-add sequence for the kernel '%s' on this CPU", kernel);
+        PyErr_Format(PyExc_ValueError, "no %s for the kernel '%s' on this CPU",
+                     passes ? "multi-row pass alone" : "multiply-add sequence", kernel);
         return NULL;
     }
     return PyLong_FromLongLong(macs);
@@ -918,7 +920,8 @@ static PyMethodDef module_methods[] = {
      "pack_interleaved(codes, n, k, bits, group, out): codes (n, k) uint8 into the interleaved QMatrix layout."},
     {"to_f16", (PyCFunction)(void (*)(void))py_to_f16, METH_FASTCALL, "to_f16(x, out): float32 -> fp16 bits."},
     {"mac_peak", py_mac_peak, METH_VARARGS,
-     "mac_peak(kernel, iters): multiply-adds done by iters rounds of the kernel's inner instructions (bench_kernels)."},
+     "mac_peak(kernel, iters, passes=False): multiply-adds done by iters rounds of the kernel's inner instructions, "
+     "or (passes) by iters groups of its multi-row passes alone (avx2; bench_kernels)."},
     {"set_isa", py_set_isa, METH_O, "Use the kernels of this ISA (scalar, avx2, avx512); at most best_isa()."},
     {"isa", py_isa, METH_NOARGS, "The ISA whose kernels run."},
     {"qmat_kernel", py_qmat_kernel, METH_NOARGS, "The quantized-matrix kernel variant that runs: scalar, avx2, avxvnni, avx512vnni or avx512vnni-amx."},

@@ -1395,6 +1395,49 @@ int qm_zeroing_prepare_avx2(const float *x, size_t x_stride, int batch, int k, i
  * eight independent accumulators in registers (a pass of up to 4 rows of x keeps 8): AVX2
  * vpmaddubsw + vpaddw (32 multiply-adds), VNNI vpdpbusd (32, or 64 on 512-bit registers).
  * Returns the multiply-adds done. The empty asm makes x new each round, so nothing is hoisted. */
+#if !QM_VNNI && !QM_ZMM
+/* The ceiling of the multi-row path's structure (bench_kernels' pass_peak): its passes alone,
+ * as prefill runs them (64 rows of x in passes of four over 16 rows of W, K = 1536), with a
+ * group's codes already unpacked in L1: the quads' multiply-adds (group_sums4_il) and each
+ * group's widening by the sub-block scales and float update of the rows' sums (rows_update), and
+ * none of the call's other work (unpacking, factors, super-blocks, threads). `iters` groups of
+ * all 64 rows; returns the multiply-adds done. */
+long long QM_NAME(qm_pass_peak)(long long iters) {
+    enum { ROWS = 64, K = 1536, G = K / 32 };
+    int8_t *qx = aligned_alloc(64, (size_t)ROWS * K);
+    float *dx = aligned_alloc(64, sizeof(float) * ROWS * G), *xs = aligned_alloc(64, sizeof(float) * ROWS * G);
+    acc8 (*s)[2] = aligned_alloc(64, sizeof(acc8) * 2 * ROWS);
+    uint8_t codes[8 * 64] __attribute__((aligned(32)));
+    if (!qx || !dx || !xs || !s) {
+        free(qx), free(dx), free(xs), free(s);
+        return -1;
+    }
+    for (size_t i = 0; i < (size_t)ROWS * K; i++) qx[i] = (int8_t)(i * 7 % 100);
+    for (int i = 0; i < ROWS * G; i++) dx[i] = 0.01f, xs[i] = 1.0f;
+    for (int i = 0; i < 8 * 64; i++) codes[i] = (uint8_t)(i % 15);
+    memset(s, 0, sizeof(acc8) * 2 * ROWS);
+    fac8 f[2];
+    for (int t = 0; t < 2; t++) {
+        f[t].wt = _mm256_set1_epi16(3);
+        f[t].D = f[t].M = f[t].wf = _mm256_setzero_ps();
+        f[t].mnf = _mm256_set1_ps(1.0f);
+    }
+    const quad_src u = {codes, NULL, 0};
+    long long groups = 0;
+    while (groups < iters)
+        for (unsigned g = 0; g < G; g++, groups++)
+            for (unsigned r0 = 0; r0 < ROWS; r0 += NB_MAX) {
+                __m256i acc[NB_MAX][2];
+                group_sums4_il(&u, qx + (size_t)r0 * K + 32 * g, K, 0, 4, KIND_KQ, 2, f, acc);
+                rows_update(s + r0, f, acc, dx + (size_t)r0 * G + g, G, xs + (size_t)g * ROWS + r0, NB_MAX, KIND_KQ, 1);
+            }
+    volatile float sink = _mm256_cvtss_f32(s[ROWS - 1][1].fs);
+    (void)sink;
+    free(qx), free(dx), free(xs), free(s);
+    return groups * ROWS * 32 * 16;
+}
+#endif
+
 long long QM_NAME(qm_mac_peak)(long long iters) {
 #if QM_ZMM
     __m512i acc[8], w[8], x = _mm512_set1_epi32((int)iters | 0x01010101);

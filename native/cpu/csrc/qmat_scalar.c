@@ -232,6 +232,15 @@ const char *qm_kernel_name(qm_kernel_fn f) {
     return "scalar";
 }
 
+long long qm_pass_peak(const char *kernel, long long iters) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    __builtin_cpu_init();
+    if (!strcmp(kernel, "avx2") && __builtin_cpu_supports("avx2")) return qm_pass_peak_avx2(iters);
+#endif
+    (void)kernel, (void)iters;
+    return -1;
+}
+
 long long qm_mac_peak(const char *kernel, long long iters) {
 #ifdef LLMLOCAL_X86_VARIANTS
     __builtin_cpu_init();
