@@ -6,11 +6,11 @@ import os
 from pathlib import Path
 
 from llmlocal.models.errors import ModelNotFoundError
+from llmlocal.models.hub import cached_snapshot, parse_hub_name, pull_hint
 
 from .checkpoint import open_checkpoint
 from .errors import CheckpointError
 from .gguf_source import open_gguf
-from .hub import cached_snapshot, looks_like_repo_id
 from .source import ModelSource
 
 
@@ -20,12 +20,18 @@ def open_source(src: str | os.PathLike[str]) -> ModelSource:
     path = Path(text).expanduser()
     name: str | None = None
     if not path.exists():
-        if not looks_like_repo_id(text):
+        hub = parse_hub_name(text)  # the same repo ids, and the same cache lookup, as `llmlocal models`
+        if hub is None or hub.selector:
             raise ModelNotFoundError(
                 f"{text} does not exist: pass a checkpoint directory, a .gguf file or a Hugging Face repo id (org/name)."
             )
-        path = cached_snapshot(text)
-        name = text.partition("@")[0].split("/")[-1]
+        snapshot = cached_snapshot(hub.repo_id, hub.revision)
+        if snapshot is None:
+            raise ModelNotFoundError(
+                f"{text} is not in the local Hugging Face cache: download it first ({pull_hint(text)} or "
+                f"`hf download {hub.repo_id}`) or pass the path of a checkpoint directory."
+            )
+        path, name = snapshot, hub.repo_id.split("/")[-1]
     if path.is_file():
         return open_gguf(path)
     if (path / "config.json").is_file():
