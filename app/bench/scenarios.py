@@ -236,6 +236,7 @@ def bench_decode(
             per_token = info["weight_bytes"] + info["kv_bytes_per_token"] * context
             ratios = [(a.decode_tok_s or 0) / (b.decode_tok_s or 1) for a, b in zip(runs[name], runs[first])]
             out["backends"][name] = {
+                "load_s": round(info["load_s"], 3),  # Engine.load in a fresh process, the others idle
                 "ttft_s": s.ttft_s,
                 "decode_tok_s": s.decode_tok_s,
                 "itl_ms_p50": s.itl_ms_p50,

@@ -1,7 +1,7 @@
 """`llmlocal bench SCENARIO`: measure the engine; prints one JSON object with --json.
 
 Scenarios:
-  decode   batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation, per backend
+  decode   load time, batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation, per backend
            (and per KV cache type in --kv-dtype), after a short prompt or --prompt-tokens of context
   batch    N concurrent requests: paged (batched) vs llamacpp (one after another), KV waste
   prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold

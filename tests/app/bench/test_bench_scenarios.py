@@ -68,7 +68,7 @@ def test_bench_decode_figures_are_whole_and_consistent() -> None:
     assert set(out["backends"]) == {"llamacpp", "paged"}
     figures = out["backends"]
     for name, f in figures.items():
-        for key in ("ttft_s", "decode_tok_s", "itl_ms_p50", "itl_ms_p95", "bytes_per_token", "mbu"):
+        for key in ("load_s", "ttft_s", "decode_tok_s", "itl_ms_p50", "itl_ms_p95", "bytes_per_token", "mbu"):
             assert positive(f[key]), (name, key, f[key])
         assert f["itl_ms_p50"] <= f["itl_ms_p95"]
         assert f["completion_tokens"] == TOKENS
