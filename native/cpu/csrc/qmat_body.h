@@ -1391,10 +1391,6 @@ int qm_zeroing_prepare_avx2(const float *x, size_t x_stride, int batch, int k, i
 }
 #endif
 
-/* bench_kernels.py's peak: the decode passes' multiply-add instruction sequence alone, with
- * eight independent accumulators in registers (a pass of up to 4 rows of x keeps 8): AVX2
- * vpmaddubsw + vpaddw (32 multiply-adds), VNNI vpdpbusd (32, or 64 on 512-bit registers).
- * Returns the multiply-adds done. The empty asm makes x new each round, so nothing is hoisted. */
 #if !QM_VNNI && !QM_ZMM
 /* The ceiling of the multi-row path's structure (bench_kernels' pass_peak): its passes alone,
  * as prefill runs them (64 rows of x in passes of four over 16 rows of W, K = 1536), with a
@@ -1438,6 +1434,10 @@ long long QM_NAME(qm_pass_peak)(long long iters) {
 }
 #endif
 
+/* bench_kernels.py's peak: the decode passes' multiply-add instruction sequence alone, with
+ * eight independent accumulators in registers (a pass of up to 4 rows of x keeps 8): AVX2
+ * vpmaddubsw + vpaddw (32 multiply-adds), VNNI vpdpbusd (32, or 64 on 512-bit registers).
+ * Returns the multiply-adds done. The empty asm makes x new each round, so nothing is hoisted. */
 long long QM_NAME(qm_mac_peak)(long long iters) {
 #if QM_ZMM
     __m512i acc[8], w[8], x = _mm512_set1_epi32((int)iters | 0x01010101);
