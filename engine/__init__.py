@@ -3,12 +3,13 @@
 Importing this package is cheap: backends import their heavy libraries when loaded.
 """
 
-from .engine import ContextOverflowError, Engine
 from .openmp import share_cpus
-from .plan import Plan
-from .types import DoneEvent, Event, Grammar, Message, Request, SamplingParams, Stats, TokenEvent, TokenLogprob
 
-share_cpus()  # before any OpenMP library loads: the imports above load none (openmp.py)
+share_cpus()  # first: before numpy, torch or llama.cpp load their thread pools (openmp.py)
+
+from .engine import ContextOverflowError, Engine  # noqa: E402
+from .plan import Plan  # noqa: E402
+from .types import DoneEvent, Event, Grammar, Message, Request, SamplingParams, Stats, TokenEvent, TokenLogprob  # noqa: E402
 
 __all__ = [
     "ContextOverflowError",

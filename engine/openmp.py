@@ -8,7 +8,12 @@ turns: 13.2-13.7 alone, 44%; 10,000: 13.3-14.1, 34%.) A laptop is rarely idle an
 interface shares the cores with the model, so llmlocal waits the short way unless the user
 said how (GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment). llmlocal's own kernels wait
 in their own pool (native/cpu/csrc/pool.c) and are not affected; neither was the paged
-engine's decode or prefill speed, measured both ways."""
+engine's decode or prefill speed, measured both ways.
+
+numpy's OpenBLAS starts a server thread per further core when numpy is imported, and each
+spins 2^28 cycles (OpenBLAS's default timeout) before it first sleeps: 0.13 s of one of two
+cores here, in the middle of loading a model, for BLAS calls llmlocal does not make. Its
+threads sleep after 2^16 cycles instead, unless the user set OPENBLAS_THREAD_TIMEOUT."""
 
 from __future__ import annotations
 
@@ -17,13 +22,16 @@ import os
 SPIN_COUNT = "1000"
 LIBGOMP_DEFAULT = "300000"  # libgomp's spin count when OMP_WAIT_POLICY is unset
 _USER_CHOSE = "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
+OPENBLAS_TIMEOUT = "16"  # log2 of the cycles an idle OpenBLAS thread spins (4-30; OpenBLAS: 28)
 
 
 def share_cpus() -> None:
-    """Make OpenMP threads loaded from now on sleep soon at barriers (unless the user chose).
-    Called when the engine package is imported, before llama.cpp's libraries load."""
+    """Make OpenMP and OpenBLAS threads started from now on sleep soon when idle (unless the
+    user chose). Called first when the engine package is imported, before numpy, torch or
+    llama.cpp's libraries load."""
     if not _USER_CHOSE:
         os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_TIMEOUT)
 
 
 def fastest_when_idle() -> dict[str, str]:

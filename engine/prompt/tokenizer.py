@@ -7,11 +7,13 @@ their `tokenizer.json` through the `tokenizers` library.
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from llmlocal.models.errors import ModelFormatError
 
 from .grammar import TokenMasks
 
@@ -37,31 +39,70 @@ class Tokenizer(Protocol):
 
 
 class LlamaCppTokenizer:
+    """A GGUF file's vocabulary, loaded alone by llama.cpp's C API (no weights, no context).
+
+    A loader opens it on a thread beside its main thread's import of torch, so every step
+    here is one foreign call that runs without the GIL: the vocabulary load (0.4-0.5 s for
+    150k tokens) and the scan for end-of-generation tokens (`token_flags`, one native call
+    instead of 150k calls from Python)."""
+
     def __init__(self, path: str) -> None:
-        import llama_cpp
+        import llama_cpp as lc
         from llama_cpp._utils import suppress_stdout_stderr
 
-        # A vocab-only model still creates a context, which logs a warning at C level.
-        with suppress_stdout_stderr(disable=False):
-            self._llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
-        self.vocab_size = self._llm.n_vocab()
-        self._eog = {t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, t)}
+        lc.llama_backend_init()
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        with suppress_stdout_stderr(disable=False):  # llama.cpp prints the file's metadata at C level
+            model = lc.llama_model_load_from_file(path.encode(), params)
+        if not model:
+            raise ModelFormatError(f"llama.cpp could not read the vocabulary of {path}: the file is damaged "
+                                   "or of an architecture this llama.cpp does not know; convert it again.")
+        self._lc, self._model = lc, model
+        self._vocab = lc.llama_model_get_vocab(model)
+        self.vocab_size = int(lc.llama_vocab_n_tokens(self._vocab))
+        self._eog = frozenset(self._scan(lc.llama_vocab_is_eog))
+
+    def _scan(self, predicate: Any) -> list[int]:
+        """The token ids for which llama.cpp's ``predicate(vocab, id)`` holds."""
+        try:
+            from llmlocal.native.cpu.runtime import kernels
+
+            address = ctypes.cast(predicate, ctypes.c_void_p).value
+            flags = kernels().token_flags(address, self._vocab, self.vocab_size)
+            return [t for t, f in enumerate(flags) if f]
+        except ImportError:  # no compiled kernels: one call per token
+            return [t for t in range(self.vocab_size) if predicate(self._vocab, t)]
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+        data = text.encode("utf-8")
+        room = len(data) + 8  # a token covers at least one byte, plus the special tokens added
+        while True:
+            out = (self._lc.llama_token * room)()
+            n = self._lc.llama_tokenize(self._vocab, data, len(data), out, room, add_special, True)
+            if n >= 0:
+                return out[:n]
+            room = -n  # llama.cpp says how many it needs
 
     def token_bytes(self, token_id: int) -> bytes:
-        return self._llm.detokenize([token_id])
+        size = 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self._lc.llama_token_to_piece(self._vocab, token_id, buf, size, 0, False)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
 
     def is_eog(self, token_id: int) -> bool:
         return token_id in self._eog
 
     def token_masks(self, n_vocab: int) -> TokenMasks:
-        return TokenMasks.for_llama_vocab(self._llm._model.vocab, n_vocab, sorted(self._eog))
+        return TokenMasks.for_llama_vocab(self._vocab, n_vocab, sorted(self._eog))
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._llm.close()
+        model, self._model = self._model, None
+        if model:
+            self._lc.llama_model_free(model)
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -57,7 +57,11 @@ class PackAhead:
         key = _rows_key(run)
         with self._lock:
             job = self._jobs.pop(key, None) if key is not None else None
-        return None if job is None else job.result()
+        if job is None:
+            return None
+        if job.cancel():  # the workers have not reached it: pack it here instead of waiting idle
+            return self._pack(run)
+        return job.result()
 
     def untaken(self) -> int:
         """Runs packed (or packing) that nobody has taken."""

@@ -23,6 +23,7 @@
 #include "binding.h" /* Python.h first */
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -823,6 +824,27 @@ static PyObject *py_to_f16(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* token_flags(fn, vocab, n): n bytes, fn(vocab, id) != 0 for each token id, where fn is the
+ * address of a C predicate bool(const void *, int32_t) such as llama.cpp's llama_vocab_is_eog.
+ * One call without the GIL instead of n foreign calls from Python, each of which would wait
+ * for the GIL again while the loader's main thread imports torch. */
+static PyObject *py_token_flags(PyObject *mod, PyObject *args) {
+    (void)mod;
+    unsigned long long fn_addr, vocab_addr;
+    int n;
+    if (!PyArg_ParseTuple(args, "KKi", &fn_addr, &vocab_addr, &n)) return NULL;
+    if (!fn_addr || !vocab_addr || n < 0) return PyErr_Format(PyExc_ValueError, "token_flags needs a function, a vocabulary and n >= 0");
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (!out) return NULL;
+    char *flags = PyBytes_AS_STRING(out);
+    bool (*pred)(const void *, int32_t) = (bool (*)(const void *, int32_t))(uintptr_t)fn_addr;
+    const void *vocab = (const void *)(uintptr_t)vocab_addr;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < n; i++) flags[i] = pred(vocab, (int32_t)i) ? 1 : 0;
+    Py_END_ALLOW_THREADS
+    return out;
+}
+
 static PyObject *py_pack_interleaved(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *ocodes, *oout;
@@ -919,6 +941,8 @@ static PyMethodDef module_methods[] = {
     {"pack_interleaved", py_pack_interleaved, METH_VARARGS,
      "pack_interleaved(codes, n, k, bits, group, out): codes (n, k) uint8 into the interleaved QMatrix layout."},
     {"to_f16", (PyCFunction)(void (*)(void))py_to_f16, METH_FASTCALL, "to_f16(x, out): float32 -> fp16 bits."},
+    {"token_flags", py_token_flags, METH_VARARGS,
+     "token_flags(fn, vocab, n): bytes, fn(vocab, id) != 0 for ids 0..n-1 (fn: the address of a C bool(const void *, int32_t))."},
     {"mac_peak", py_mac_peak, METH_VARARGS,
      "mac_peak(kernel, iters, passes=False): multiply-adds done by iters rounds of the kernel's inner instructions, "
      "or (passes) by iters groups of its multi-row passes alone (avx2; bench_kernels)."},
