@@ -99,12 +99,15 @@ KEYS: dict[str, Key] = {
         Key("kv_cache_dir", Path, "an absolute path", "$XDG_CACHE_HOME/llmlocal/kv", "~/.cache/llmlocal/kv",
             lambda v: v.expanduser().is_absolute(), env="LLMLOCAL_KV_CACHE_DIR"),
         Key("kv_cache_size", str, "a size such as 4G or 512M, or off", "4G", "8G", lambda v: kv_cache_bytes(v) is not False),
+        Key("packed_cache_dir", Path, "an absolute path", "$XDG_CACHE_HOME/llmlocal/packed", "~/.cache/llmlocal/packed",
+            lambda v: v.expanduser().is_absolute(), env="LLMLOCAL_PACKED_CACHE_DIR"),
+        Key("packed_cache_size", str, "a size such as 16G or 4G, or off", "16G", "8G", lambda v: kv_cache_bytes(v) is not False),
     )
 }
 
 
 def kv_cache_bytes(text: str) -> int | None | bool:
-    """A kv_cache_size setting in bytes; None for "off"; False if it is neither."""
+    """A kv_cache_size (or packed_cache_size) setting in bytes; None for "off"; False if it is neither."""
     if text.strip().lower() in ("off", "0", "none", "no"):
         return None
     from llmlocal.engine.planning.hardware import parse_size
@@ -400,6 +403,10 @@ def _builtin_value(name: str) -> Any:
         from llmlocal.engine.core.kv_disk import default_dir
 
         return default_dir()
+    if name == "packed_cache_dir":
+        from llmlocal.native.cpu.packed_cache import default_dir as packed_default
+
+        return packed_default()
     if name == "backend":
         return "auto"
     return None

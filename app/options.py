@@ -83,6 +83,15 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         "removed first (default 4G; 'off' is --no-kv-cache)")
     g.add_argument("--no-kv-cache", action="store_true",
                    help="paged backend: no KV cache on disk (prompts are cached in memory only)")
+    g.add_argument("--packed-cache-dir", default=FromConfig("packed_cache_dir"), metavar="DIR",
+                   help="paged backend on the CPU: keep the weights in its kernels' layout here, so the "
+                        "next load maps them instead of converting the model again (default: "
+                        "$XDG_CACHE_HOME/llmlocal/packed)")
+    g.add_argument("--packed-cache-size", default=FromConfig("packed_cache_size"), metavar="SIZE",
+                   help="bytes that directory may hold over all models, least recently used models "
+                        "removed first (default 16G; 'off' is --no-packed-cache)")
+    g.add_argument("--no-packed-cache", action="store_true",
+                   help="paged backend: convert the weights at every load, keep nothing on disk")
     g.add_argument("--draft", default=None, metavar="M",
                    help="paged backend: speculative decoding with draft model M (same tokenizer), "
                         "or 'ngram' to draft from the prompt itself")
@@ -207,6 +216,7 @@ def base_plan_from_args(args: argparse.Namespace, model: str | None = None) -> P
         endpoint=args.endpoint,
         api_key=args.api_key,
         **kv_cache_from_args(args),
+        **packed_cache_from_args(args),
     )
 
 
@@ -229,6 +239,27 @@ def kv_cache_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
         directory = default_dir()
     return {"kv_cache_dir": str(Path(directory).expanduser()), "kv_cache_size": size}
+
+
+def packed_cache_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The Plan's packed_cache_dir and packed_cache_size from --packed-cache-dir,
+    --no-packed-cache and the config (flag > environment > config file > the default directory)."""
+    from llmlocal.models.errors import LLMLocalError
+
+    from .config import kv_cache_bytes
+
+    size_text = getattr(args, "packed_cache_size", None)
+    size = kv_cache_bytes(str(size_text)) if size_text is not None else 16 << 30
+    if size is False:
+        raise LLMLocalError(f"Cannot read the packed weights cache size '{size_text}': write it like 16G or 4G, or off.")
+    if getattr(args, "no_packed_cache", False) or size is None:
+        return {"packed_cache_dir": None}
+    directory = getattr(args, "packed_cache_dir", None)
+    if directory is None:
+        from llmlocal.native.cpu.packed_cache import default_dir
+
+        directory = default_dir()
+    return {"packed_cache_dir": str(Path(directory).expanduser()), "packed_cache_size": size}
 
 
 def pins_from_args(args: argparse.Namespace) -> Pins:

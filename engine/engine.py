@@ -22,14 +22,16 @@ import gc
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import ContextOverflowError, LLMLocalError
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
+from llmlocal.native.cpu.packed_cache import PackedCache
 
 from .backends.base import Backend, Prompt
-from .model.gguf_parts import start_packing
+from .model.gguf_parts import save_packing, start_packing
 from .plan import DEFAULT_MAX_CTX, Plan
 from .planning.hardware import simd_features
 from .planning.native_support import paged_pays
@@ -80,7 +82,8 @@ class Engine:
             # on the CPU the weights are packed for the kernels meanwhile
             tokenizer = start_tokenizer(model.path, model.spec.format == "gguf")
             dense_cpu = backend_name == "paged" and plan.weights == "auto" and not _on_gpu(plan)
-            ahead = start_packing(model.spec) if dense_cpu else None
+            packed = PackedCache(Path(plan.packed_cache_dir), plan.packed_cache_size) if plan.packed_cache_dir else None
+            ahead = start_packing(model.spec, packed) if dense_cpu else None
             try:
                 with _no_gc():
                     if backend_name == "paged":
@@ -88,6 +91,8 @@ class Engine:
                     else:
                         from .backends.sparse import SparseBackend as Ours
                     backend = Ours.load(model, plan, tokenizer=tokenizer, ahead=ahead)
+                if ahead is not None and packed is not None:
+                    save_packing(ahead, model.spec, packed)  # the next load maps what this one packed
             finally:
                 if ahead is not None:
                     ahead.close()

@@ -41,6 +41,8 @@ class Plan:
     kv_dtype: str = "auto"  # KV cache element type (auto: f16 in llama.cpp; see paged_kv_dtype)
     kv_cache_dir: str | None = None  # the prefix cache's disk tier (None: none; the CLI's default is kv_disk.default_dir)
     kv_cache_size: int = 4 << 30  # bytes the disk tier may hold, over all models
+    packed_cache_dir: str | None = None  # CPU weights in the kernels' layout kept on disk (None: packed at every load; the CLI's default is packed_cache.default_dir)
+    packed_cache_size: int = 16 << 30  # bytes that directory may hold, over all models
     # speculative decoding (paged backend)
     draft: str | None = None  # draft model name/path, or "ngram" for prompt lookup
     draft_k: int | None = None  # tokens proposed per step (None: adaptive)
@@ -89,6 +91,8 @@ class Plan:
             raise LLMLocalError(f"The memory budget must be positive, got {self.memory_budget} bytes.")
         if self.kv_cache_size <= 0:
             raise LLMLocalError(f"The KV cache size must be positive, got {self.kv_cache_size} bytes.")
+        if self.packed_cache_size <= 0:
+            raise LLMLocalError(f"The packed weights cache size must be positive, got {self.packed_cache_size} bytes.")
         if self.gpu_layers < 0:
             raise LLMLocalError(f"gpu_layers must be >= 0, got {self.gpu_layers}.")
 

@@ -40,13 +40,15 @@ _import_triton_for_its_interpreter()
 
 
 def _private_kv_cache() -> None:
-    """The paged engine keeps KV blocks on disk where the CLI runs it (LLMLOCAL_KV_CACHE_DIR,
-    else the user's cache directory): every test, and every process a test starts, gets a
-    directory of its own run instead, so no test reads or writes the user's cache."""
+    """The paged engine keeps KV blocks and packed weights on disk where the CLI runs it
+    (LLMLOCAL_KV_CACHE_DIR, LLMLOCAL_PACKED_CACHE_DIR, else the user's cache directory): every
+    test, and every process a test starts, gets directories of its own run instead, so no test
+    reads or writes the user's cache."""
     import os
     import tempfile
 
     os.environ["LLMLOCAL_KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmlocal-test-kv-")
+    os.environ["LLMLOCAL_PACKED_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmlocal-test-packed-")
 
 
 _private_kv_cache()

@@ -156,12 +156,16 @@ def _engines_apart(
     kv_dtypes: dict[str, str] | None = None,
 ) -> Iterator[dict[str, _EngineProcess]]:
     """Each backend's engine loaded in a process of its own, closed on the way out. ``kv_dtypes``:
-    engines by label (``backend`` or ``backend:kv_dtype``) and their KV cache type."""
+    engines by label (``backend`` or ``backend:kv_dtype``) and their KV cache type. Packed
+    weights are kept where the CLI keeps them, so a load is timed as a user's second one is."""
+    from llmlocal.native.cpu.packed_cache import default_dir
+
     engines: dict[str, _EngineProcess] = {}
     try:
         for name in backends:
             backend, kv = name.split(":")[0], (kv_dtypes or {}).get(name, "auto")
-            plan = Plan(model=model, backend=backend, n_ctx=n_ctx, threads=threads, kv_dtype=kv)
+            plan = Plan(model=model, backend=backend, n_ctx=n_ctx, threads=threads, kv_dtype=kv,
+                        packed_cache_dir=str(default_dir()))
             engines[name] = _EngineProcess(plan, warmup)
         yield engines
     finally:

@@ -7,6 +7,11 @@ reopened chat or a restarted server reads the blocks it has seen instead of comp
 Blocks are kept per model file and per way of computing them (backend, device, dtypes), so a
 changed model file never reuses them.
 
+On the CPU the paged engine also keeps each model's weights in its kernels' layout
+(--packed-cache-dir, the config key packed_cache_dir, default $XDG_CACHE_HOME/llmlocal/packed,
+up to packed_cache_size, default 16G), so a later load maps them instead of converting the
+model again. They are listed and cleared here too.
+
 Examples:
 
     llmlocal cache                    # what is kept, per model: blocks, tokens, size, last used
@@ -40,42 +45,67 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="clear: only the models whose name or path contains this")
     p.add_argument("--kv-cache-dir", default=FromConfig("kv_cache_dir"), metavar="DIR",
                    help="the cache directory (default: the config's kv_cache_dir, else $XDG_CACHE_HOME/llmlocal/kv)")
+    p.add_argument("--packed-cache-dir", default=FromConfig("packed_cache_dir"), metavar="DIR",
+                   help="the packed weights' directory (default: the config's packed_cache_dir, else "
+                        "$XDG_CACHE_HOME/llmlocal/packed)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from llmlocal.engine.core.kv_disk import clear, default_dir, describe
+    from llmlocal.native.cpu.packed_cache import PackedCache
+    from llmlocal.native.cpu.packed_cache import default_dir as packed_dir
 
     root = Path(args.kv_cache_dir).expanduser() if args.kv_cache_dir else default_dir()
-    spaces = describe(root)
+    packed = PackedCache(Path(args.packed_cache_dir).expanduser() if args.packed_cache_dir else packed_dir())
+    spaces, weights = describe(root), packed.entries()
     if args.action == "clear":
         if args.model is not None:
-            spaces = [s for s in spaces if args.model.lower() in (s.model + " " + s.path).lower()]
-            if not spaces:
-                raise LLMLocalError(f"No cached blocks of a model matching '{args.model}' in {root}: "
-                                    "`llmlocal cache` lists the models that have some.")
+            def matches(*names: object) -> bool:
+                return args.model.lower() in " ".join(map(str, names)).lower()
+
+            spaces = [s for s in spaces if matches(s.model, s.path)]
+            weights = [w for w in weights if matches(w["model"], w["path"])]
+            if not spaces and not weights:
+                raise LLMLocalError(f"Nothing kept for a model matching '{args.model}' in {root} or {packed.root}: "
+                                    "`llmlocal cache` lists the models that have something.")
         files, size = clear(root, spaces)
+        packed_files, packed_size = packed.clear(weights)
         if args.json:
-            print(json.dumps({"directory": str(root), "removed_blocks": files, "removed_bytes": size}))
+            print(json.dumps({"directory": str(root), "removed_blocks": files, "removed_bytes": size,
+                              "packed_directory": str(packed.root), "removed_packed_models": packed_files,
+                              "removed_packed_bytes": packed_size}))
         else:
             print(f"Removed {files} blocks ({format_size(size)}) from {root}.")
+            if packed_files:
+                print(f"Removed the packed weights of {packed_files} models ({format_size(packed_size)}) from {packed.root}.")
         return 0
     if args.json:
         print(json.dumps({"directory": str(root), "bytes": sum(s.bytes for s in spaces),
-                          "models": [s.as_dict() for s in spaces]}, indent=1))
+                          "models": [s.as_dict() for s in spaces],
+                          "packed": {"directory": str(packed.root), "bytes": sum(int(w["bytes"]) for w in weights),  # type: ignore[call-overload]
+                                     "models": weights}}, indent=1))
         return 0
     if not spaces:
         print(f"No KV blocks kept in {root} yet: the paged engine adds them as it computes prompts.")
-        return 0
-    rows = [("model", "blocks", "tokens", "size", "last used")]
-    for s in spaces:
-        rows.append((s.model, str(s.blocks), str(s.tokens), format_size(s.bytes), _ago(s.last_used)))
+    else:
+        rows = [("model", "blocks", "tokens", "size", "last used")]
+        rows += [(s.model, str(s.blocks), str(s.tokens), format_size(s.bytes), _ago(s.last_used)) for s in spaces]
+        _table(rows)
+        print(f"\n{format_size(sum(s.bytes for s in spaces))} in {root}")
+    if weights:
+        print()
+        _table([("packed weights of", "size", "last used")] +
+               [(str(w["model"]), format_size(int(w["bytes"])), _ago(float(w["last_used"]))) for w in weights])  # type: ignore[call-overload,arg-type]
+        print(f"\n{format_size(sum(int(w['bytes']) for w in weights))} in {packed.root}")  # type: ignore[call-overload]
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-    print(f"\n{format_size(sum(s.bytes for s in spaces))} in {root}")
-    return 0
 
 
 def _ago(t: float | None) -> str:

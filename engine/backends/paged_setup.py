@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from llmlocal.models import ModelSpec, ResolvedModel
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.fingerprint import model_fingerprint
 
-from ..core.kv_disk import DiskTier, model_fingerprint, namespace
+from ..core.kv_disk import DiskTier, namespace
 from ..core.model_runner import ModelRunner
 from ..model.fast_decode import native_int4, native_quant
 from ..model.llama import LlamaModel

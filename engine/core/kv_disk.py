@@ -66,24 +66,6 @@ def default_dir() -> Path:
     return Path(base) / "llmlocal" / "kv"
 
 
-def model_fingerprint(path: str | os.PathLike[str]) -> bytes:
-    """16 bytes that change when the model's files do: each file's size, its first MiB (the
-    header, metadata and tensor table) and 16 samples of 64 KiB across it. Cheap (about 2 MiB
-    read a file) where hashing a whole GB file would cost seconds at every load."""
-    root = Path(path)
-    files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
-    h = hashlib.blake2b(digest_size=16)
-    for file in files:
-        size = file.stat().st_size
-        h.update(file.name.encode() + size.to_bytes(8, "little"))
-        with open(file, "rb") as f:
-            h.update(f.read(1 << 20))
-            for i in range(1, 17):
-                f.seek(size * i // 17)
-                h.update(f.read(1 << 16))
-    return h.digest()
-
-
 def namespace(fingerprint: bytes, numerics: str, block_size: int, row_shape: tuple[int, ...]) -> bytes:
     """The 16-byte name of one model's blocks as one engine computes them: the files' fingerprint,
     what changes the numbers (backend, device, dtypes, kernels, RoPE), the block size, the rows'

@@ -16,9 +16,11 @@ from collections.abc import Callable
 import numpy as np
 from llmlocal.models import ModelSpec, TensorInfo
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.models.fingerprint import model_fingerprint
 from llmlocal.models.tensor_names import PERMUTED_QK_ARCHS, permute_qk
 from llmlocal.native.cpu import runtime
 from llmlocal.native.cpu.pack_ahead import PackAhead
+from llmlocal.native.cpu.packed_cache import PackedCache
 from llmlocal.native.cpu.qlayout import FORMATS, QuantRows
 
 from .config import ModelConfig, config_from_spec
@@ -111,11 +113,12 @@ def activations(spec: ModelSpec) -> str:
     return mode
 
 
-def start_packing(spec: ModelSpec) -> PackAhead | None:
+def start_packing(spec: ModelSpec, cache: PackedCache | None = None) -> PackAhead | None:
     """The dense native layout of every projection and the output head of ``spec``'s file,
     packing in worker threads from now on, in the order the loader builds them; None where the
     loader would not pack them so (no kernels, not a GGUF file, fp32 activations: the INT4
-    kernels). Each tensor's file pages leave the process once packed."""
+    kernels). Each tensor's file pages leave the process once packed. Runs ``cache`` holds for
+    this file are mapped from it instead (`save_packing` fills it)."""
     if spec.format != "gguf" or not runtime.built() or activations(spec) != "int8":
         return None
     try:
@@ -131,6 +134,14 @@ def start_packing(spec: ModelSpec) -> PackAhead | None:
                 groups.append([r for r in rows if r is not None])
     except (LLMLocalError, ValueError, KeyError):
         return None  # a file the loader refuses, with its own sentence: nothing to pack ahead
+    saved = cache.load(model_fingerprint(spec.path)) if cache is not None else None
     # a core left to the main thread, whose import of torch is the load's longest step
     workers = max(1, min(4, (os.cpu_count() or 2) - 1))
-    return PackAhead(groups, workers, packed=lambda run: t.release_pages([r.name for r in run]))
+    return PackAhead(groups, workers, packed=lambda run: t.release_pages([r.name for r in run]), saved=saved)
+
+
+def save_packing(ahead: PackAhead, spec: ModelSpec, cache: PackedCache) -> None:
+    """After a load that took everything ``ahead`` offered and packed some of it anew: keep it
+    all in ``cache`` for the next load (written behind, on a thread of its own)."""
+    if ahead.packed_anew and not ahead.untaken():
+        cache.save_behind(model_fingerprint(spec.path), ahead.handed, {"model": spec.name, "path": spec.path})

@@ -63,3 +63,37 @@ def test_nothing_is_packed_ahead_for_the_int4_kernels() -> None:
 @pytest.mark.skipif(not Q05.is_file(), reason="run ../shared/models/fetch-real-models.sh")
 def test_a_real_q4_k_m_file() -> None:
     check(str(Q05))
+
+
+def test_a_second_load_maps_the_weights_the_first_packed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a packed-weights directory the first load writes what it packed (behind the load)
+    and the next one maps it: the projections are the file's read-only pages, the same arrays,
+    and greedy tokens are the same as without the directory. A truncated file is not used."""
+    from llmlocal.engine import Engine, Plan, Request, SamplingParams
+    from llmlocal.native.cpu.packed_cache import wait_for_writers
+
+    monkeypatch.setenv("LLMLOCAL_NATIVE_ACTIVATIONS", "int8")  # the starter's layers are packed then
+
+    def run(directory: Path | None) -> tuple[list[int], list]:
+        plan = Plan(backend="paged", device="cpu", n_ctx=512, packed_cache_dir=str(directory) if directory else None)
+        with Engine.load(plan) as e:
+            req = Request(prompt="def fibonacci(n):", sampling=SamplingParams(max_tokens=16, temperature=0))
+            tokens = [t for ev in e.generate(req) for t in getattr(ev, "token_ids", ())]
+            arrays = packed(e.backend.runner.model)  # type: ignore[attr-defined]
+        wait_for_writers()
+        return tokens, arrays
+
+    without, own = run(None)
+    cold, packed_cold = run(tmp_path)
+    [file] = list(tmp_path.iterdir())
+    warm, mapped = run(tmp_path)
+    assert without == cold == warm and len(without) == 16
+    assert all(a.codes.flags.writeable for a in packed_cold) and not any(a.codes.flags.writeable for a in mapped)
+    for a, b in zip(own, mapped, strict=True):
+        for x, y in ((a.codes, b.codes), (a.d, b.d), (a.m, b.m), (a.sc, b.sc), (a.mn, b.mn)):
+            assert (x is None and y is None) or np.array_equal(x, y)
+    with open(file, "r+b") as f:
+        f.truncate(file.stat().st_size - 4096)
+    again, repacked = run(tmp_path)
+    assert again == without and all(a.codes.flags.writeable for a in repacked)
+    assert file.stat().st_size % 4096 == 0 and run(tmp_path)[0] == without  # written whole again, and used

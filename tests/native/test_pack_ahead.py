@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from llmlocal.native.cpu.bench_kernels import random_rows
-from llmlocal.native.cpu.pack_ahead import PackAhead, type_runs
+from llmlocal.native.cpu.pack_ahead import PackAhead, run_key, type_runs
 from llmlocal.native.cpu.qlayout import Q4_K, Q6_K, Q8_0, QuantRows, pack_rows
 
 pytestmark = pytest.mark.skipif(pack_rows([random_rows(Q8_0, 32, 256, np.random.default_rng(0))]) is None,
@@ -63,7 +63,27 @@ def test_each_run_is_reported_packed_and_close_drops_the_rest() -> None:
     parts = [named(random_rows(Q8_0, 32, 256, rng), f"blk.{i}.ffn_down.weight") for i in range(6)]
     seen: list[str] = []
     ahead = PackAhead([[p] for p in parts], workers=1, packed=lambda run: seen.append(run[0].name))
-    assert ahead.take([parts[5]]) is not None  # waits for its turn: every earlier run is packed by then
-    assert seen[: len(parts)] == [p.name for p in parts]
+    got = ahead.take([parts[5]])  # packed by the taker if the worker has not reached it, else waited for
+    assert got is not None and same_arrays(got, pack_rows([parts[5]]))
+    assert parts[5].name in seen and ahead.packed_anew == 1 and list(ahead.handed.values()) == [got]
     ahead.close()
     assert ahead.untaken() == 0 and ahead.take([parts[0]]) is None
+    assert len(seen) == len(set(seen))  # no run packed twice
+
+
+def test_saved_runs_are_handed_out_without_packing() -> None:
+    rng = np.random.default_rng(4)
+    a, b = (named(random_rows(Q4_K, 32, 256, rng), f"blk.{i}.ffn_up.weight") for i in range(2))
+    first = PackAhead([[a], [b]], workers=1)
+    packed = {run_key([p]): first.take([p]) for p in (a, b)}
+    first.close()
+    seen: list[str] = []
+    again = PackAhead([[a], [b]], workers=1, packed=lambda run: seen.append(run[0].name),
+                      saved={run_key([a]): packed[run_key([a])]})
+    try:
+        assert again.take([a]) is packed[run_key([a])] and again.packed_anew == 0
+        got = again.take([b])  # not saved: packed as before
+        assert got is not None and same_arrays(got, packed[run_key([b])]) and again.packed_anew == 1
+        assert seen == [b.name] and again.untaken() == 0
+    finally:
+        again.close()
