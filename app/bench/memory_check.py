@@ -130,15 +130,19 @@ def _child(config: CheckConfig) -> dict[str, Any]:
     engine = Engine.load(config.to_plan())
     loaded = _status()
     _reset_peak()
-    # " hello" is one token in BPE vocabularies: n repeats are about n tokens; trim to fit.
+    # The worst case for the embedding rows read from the file: every prompt token another one
+    # (the pieces of tokens spread over the vocabulary), trimmed to fit.
     target = max(8, int(config.fill * engine.n_ctx) - config.gen - 1)
+    vocab = engine.model.spec.vocab_size
+    pieces = [engine.token_bytes(t).decode("utf-8", "ignore") for t in range(vocab // 7, vocab, 7)]
+    pieces = [p for p in pieces if p.strip()] * (1 + target // max(1, len(pieces)))
     n = target
     while True:
-        request = Request(prompt=" hello" * n, sampling=SamplingParams(temperature=0, max_tokens=config.gen))
+        request = Request(prompt="".join(pieces[:n]), sampling=SamplingParams(temperature=0, max_tokens=config.gen))
         count = len(engine.prompt_ids(request))
         if count <= target:
             break
-        n -= count - target
+        n -= max(1, (count - target) * n // count)
     done = None
     for event in engine.generate(request):
         if isinstance(event, DoneEvent):

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llmlocal.native.cpu.packed_cache import has_packed
+
 from ..model.gguf_parts import activations
 from ..plan import paged_kv_dtype
 from .memory_parts import (
@@ -215,7 +217,9 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
     for (m, _), w, wb, kb in zip(models, tables, weights, kv):
         file_pages = m.weight_bytes if m.format == "gguf" else 0
         if not on_gpu and w.embed_mapped:
-            file_pages = w.loading_file
+            # weights packed by an earlier load are mapped from the packed cache: no file pages
+            packed = plan.packed_cache_dir is not None and has_packed(plan.packed_cache_dir, m.path)
+            file_pages = 0 if packed and activations(m) == "int8" else w.loading_file
         files = max(files, file_pages)
         if on_gpu:
             host_peak = max(host_peak, tokenizer + file_pages + 2 * w.embed_f32 + PAGED_LOAD_EXTRA)

@@ -77,9 +77,7 @@ class PackAhead:
             out: PackedQuant | None = saved
         elif job is None:
             return None
-        elif job.cancel():  # the workers have not reached it: pack it here instead of waiting idle
-            out = self._pack(run)
-        else:
+        else:  # waited for, not packed here too: a second run in flight would raise the load's peak
             out = job.result()
         if out is not None:
             with self._lock:

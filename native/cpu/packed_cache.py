@@ -18,6 +18,7 @@ are trusted once complete.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -28,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+from llmlocal.models.fingerprint import model_fingerprint
 
 from .qlayout import PackedQuant
 
@@ -48,6 +50,21 @@ def default_dir() -> Path:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "llmlocal" / "packed"
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(path: str, size: int, mtime_ns: int) -> bytes:
+    return model_fingerprint(path)
+
+
+def has_packed(root: str | os.PathLike[str], model_path: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` holds packed weights of this model file (for the memory planner: a load
+    that maps them reads none of the file's projection pages)."""
+    try:
+        st = os.stat(model_path)
+        return PackedCache(Path(root)).path(_fingerprint(os.fspath(model_path), st.st_size, st.st_mtime_ns)).is_file()
+    except OSError:
+        return False
 
 
 class PackedCache:
@@ -236,4 +253,4 @@ def _unlink(path: Path) -> bool:
         return False
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "LAYOUT_VERSION", "PackedCache", "default_dir", "wait_for_writers"]
+__all__ = ["DEFAULT_MAX_BYTES", "LAYOUT_VERSION", "PackedCache", "default_dir", "has_packed", "wait_for_writers"]

@@ -433,3 +433,30 @@ def test_partial_offload_moves_bytes_from_cpu_to_gpu() -> None:
     cpu, gpu = zip(*needs)
     assert list(cpu) == sorted(cpu, reverse=True) and list(gpu) == sorted(gpu)
     assert gpu[0] == 0 and cpu[-1] < 0.1 * cpu[0]
+
+
+def test_a_load_that_maps_packed_weights_is_planned_without_the_files_pages(tmp_path, monkeypatch) -> None:
+    """Once a load has kept the starter's packed weights (int8 activations: they are packed),
+    the paged plan's load peak leaves out the file pages packing holds; another directory, or
+    none, keeps them in."""
+    from llmlocal.engine import Engine
+    from llmlocal.models import resolve
+    from llmlocal.native.cpu import runtime
+    from llmlocal.native.cpu.packed_cache import wait_for_writers
+
+    if not runtime.built():
+        pytest.skip("the native extension is not built")
+    monkeypatch.setenv("LLMLOCAL_NATIVE_ACTIVATIONS", "int8")
+    spec = resolve().spec
+    plan = Plan(backend="paged", device="cpu", n_ctx=512, threads=2)
+
+    def peak(directory) -> int:
+        [cpu] = estimate(spec, plan.replace(packed_cache_dir=str(directory) if directory else None))
+        return cpu.load_peak
+
+    before = peak(tmp_path)
+    with Engine.load(plan.replace(packed_cache_dir=str(tmp_path))):
+        pass
+    wait_for_writers()
+    assert any(tmp_path.iterdir())
+    assert peak(None) == before == peak(tmp_path / "other") > peak(tmp_path) > 0
