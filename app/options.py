@@ -8,6 +8,7 @@ built-in default: flag > environment > config file > built-in.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -223,43 +224,34 @@ def base_plan_from_args(args: argparse.Namespace, model: str | None = None) -> P
 def kv_cache_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The Plan's kv_cache_dir and kv_cache_size from --kv-cache-dir, --kv-cache-size and
     --no-kv-cache (flag > environment > config file > the default directory)."""
-    from llmlocal.models.errors import LLMLocalError
+    from llmlocal.engine.core.kv_disk import default_dir
 
-    from .config import kv_cache_bytes
-
-    size_text = getattr(args, "kv_cache_size", None)
-    size = kv_cache_bytes(str(size_text)) if size_text is not None else 4 << 30
-    if size is False:
-        raise LLMLocalError(f"Cannot read the KV cache size '{size_text}': write it like 4G or 512M, or off.")
-    if getattr(args, "no_kv_cache", False) or size is None:
-        return {"kv_cache_dir": None}
-    directory = getattr(args, "kv_cache_dir", None)
-    if directory is None:
-        from llmlocal.engine.core.kv_disk import default_dir
-
-        directory = default_dir()
-    return {"kv_cache_dir": str(Path(directory).expanduser()), "kv_cache_size": size}
+    return _disk_cache(args, "kv_cache", "KV cache", 4 << 30, "4G or 512M", default_dir)
 
 
 def packed_cache_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The Plan's packed_cache_dir and packed_cache_size from --packed-cache-dir,
-    --no-packed-cache and the config (flag > environment > config file > the default directory)."""
+    --packed-cache-size and --no-packed-cache (the same order)."""
+    from llmlocal.native.cpu.packed_cache import default_dir
+
+    return _disk_cache(args, "packed_cache", "packed weights cache", 16 << 30, "16G or 4G", default_dir)
+
+
+def _disk_cache(args: argparse.Namespace, key: str, what: str, default_size: int, example: str,
+                default_dir: Callable[[], Path]) -> dict[str, Any]:
+    """``{key}_dir`` and ``{key}_size`` from the arguments of that name and ``no_{key}``."""
     from llmlocal.models.errors import LLMLocalError
 
     from .config import kv_cache_bytes
 
-    size_text = getattr(args, "packed_cache_size", None)
-    size = kv_cache_bytes(str(size_text)) if size_text is not None else 16 << 30
+    size_text = getattr(args, f"{key}_size", None)
+    size = kv_cache_bytes(str(size_text)) if size_text is not None else default_size
     if size is False:
-        raise LLMLocalError(f"Cannot read the packed weights cache size '{size_text}': write it like 16G or 4G, or off.")
-    if getattr(args, "no_packed_cache", False) or size is None:
-        return {"packed_cache_dir": None}
-    directory = getattr(args, "packed_cache_dir", None)
-    if directory is None:
-        from llmlocal.native.cpu.packed_cache import default_dir
-
-        directory = default_dir()
-    return {"packed_cache_dir": str(Path(directory).expanduser()), "packed_cache_size": size}
+        raise LLMLocalError(f"Cannot read the {what} size '{size_text}': write it like {example}, or off.")
+    if getattr(args, f"no_{key}", False) or size is None:
+        return {f"{key}_dir": None}
+    directory = getattr(args, f"{key}_dir", None) or default_dir()
+    return {f"{key}_dir": str(Path(directory).expanduser()), f"{key}_size": size}
 
 
 def pins_from_args(args: argparse.Namespace) -> Pins:

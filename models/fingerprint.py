@@ -1,5 +1,5 @@
-"""A model file's fingerprint: what names the work kept on disk for it (KV blocks, packed
-weights), so that a changed file never reuses any of it."""
+"""The work kept on disk for a model file (KV blocks, packed weights): where it goes, and the
+file's fingerprint that names it, so that a changed file never reuses any of it."""
 
 from __future__ import annotations
 
@@ -24,3 +24,20 @@ def model_fingerprint(path: str | os.PathLike[str]) -> bytes:
                 f.seek(size * i // 17)
                 h.update(f.read(1 << 16))
     return h.digest()
+
+
+def cache_dir(env: str, name: str) -> Path:
+    """$``env``, else $XDG_CACHE_HOME/llmlocal/``name`` (~/.cache/llmlocal/``name``)."""
+    explicit = os.environ.get(env)
+    if explicit:
+        return Path(explicit).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmlocal" / name
+
+
+def remove_file(path: Path) -> bool:
+    """Remove a file kept on disk; False where it was already gone or cannot be removed."""
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False

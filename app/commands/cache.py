@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"Removed {files} blocks ({format_size(size)}) from {root}.")
             if packed_files:
-                print(f"Removed the packed weights of {packed_files} models ({format_size(packed_size)}) from {packed.root}.")
+                models = f"{packed_files} model{'s' if packed_files != 1 else ''}"
+                print(f"Removed the packed weights of {models} ({format_size(packed_size)}) from {packed.root}.")
         return 0
     if args.json:
         print(json.dumps({"directory": str(root), "bytes": sum(s.bytes for s in spaces),

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from llmlocal.models.fingerprint import cache_dir, remove_file
 
 from .block_manager import FullBlock
 
@@ -59,11 +60,7 @@ STALE_TMP_S = 3600.0  # a temporary file this old belongs to a writer that died
 
 def default_dir() -> Path:
     """$LLMLOCAL_KV_CACHE_DIR, else $XDG_CACHE_HOME/llmlocal/kv (~/.cache/llmlocal/kv)."""
-    explicit = os.environ.get("LLMLOCAL_KV_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmlocal" / "kv"
+    return cache_dir("LLMLOCAL_KV_CACHE_DIR", "kv")
 
 
 def namespace(fingerprint: bytes, numerics: str, block_size: int, row_shape: tuple[int, ...]) -> bytes:
@@ -303,7 +300,7 @@ class DiskTier:
         for entry in scan(self.root):
             if entry.is_tmp:
                 if now - entry.mtime > STALE_TMP_S:
-                    _unlink(entry.path)
+                    remove_file(entry.path)
                 continue
             files.append((entry.mtime, entry.size, entry.path))
         total = sum(size for _, size, _ in files)
@@ -313,7 +310,7 @@ class DiskTier:
         for _, size, path in files:
             if total <= 0.9 * self.max_bytes:
                 break
-            if _unlink(path) or not path.exists():  # gone either way: another trim (a process, or
+            if remove_file(path) or not path.exists():  # gone either way: another trim (a process, or
                 total -= size                         # close() beside the writer) took it first
 
 
@@ -347,14 +344,6 @@ def scan(root: Path) -> list[CacheFile]:
                 continue
             out.append(CacheFile(Path(e.path), st.st_size, st.st_mtime, tmp))
     return out
-
-
-def _unlink(path: Path) -> bool:
-    try:
-        path.unlink()
-        return True
-    except OSError:
-        return False
 
 
 # ---- what `llmlocal cache` shows and clears ------------------------------------------------

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-from llmlocal.models.fingerprint import model_fingerprint
+from llmlocal.models.fingerprint import cache_dir, model_fingerprint, remove_file
 
 from .qlayout import PackedQuant
 
@@ -45,11 +45,7 @@ _writers: list[threading.Thread] = []
 
 def default_dir() -> Path:
     """$LLMLOCAL_PACKED_CACHE_DIR, else $XDG_CACHE_HOME/llmlocal/packed (~/.cache/llmlocal/packed)."""
-    explicit = os.environ.get("LLMLOCAL_PACKED_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmlocal" / "packed"
+    return cache_dir("LLMLOCAL_PACKED_CACHE_DIR", "packed")
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,7 +88,7 @@ class PackedCache:
             except (OSError, ValueError):
                 index = None
         if index is None:
-            _unlink(path)
+            remove_file(path)
             return None
         if hasattr(mmap, "MADV_WILLNEED"):
             buf.madvise(mmap.MADV_WILLNEED)  # read ahead from disk while torch is imported
@@ -124,7 +120,7 @@ class PackedCache:
             _write(tmp, fingerprint, runs, about)
             os.replace(tmp, path)
         except OSError:
-            _unlink(tmp)
+            remove_file(tmp)
             return
         self.trim(keep=path)
 
@@ -134,7 +130,7 @@ class PackedCache:
         for p in self.root.glob(f"*{SUFFIX}.*.tmp"):
             try:
                 if p.stat().st_mtime < time.time() - STALE_TMP_S:
-                    _unlink(p)
+                    remove_file(p)
             except OSError:
                 continue
         files = []
@@ -149,7 +145,7 @@ class PackedCache:
         for _, _, size, p in files:
             if total <= self.max_bytes:
                 break
-            if _unlink(p):
+            if remove_file(p):
                 total -= size
 
     def entries(self) -> list[dict[str, object]]:
@@ -171,7 +167,7 @@ class PackedCache:
         """Remove the files of ``entries`` (every file by default): (files, bytes)."""
         files = size = 0
         for e in self.entries() if entries is None else entries:
-            if _unlink(Path(str(e["file"]))):
+            if remove_file(Path(str(e["file"]))):
                 files, size = files + 1, size + int(e["bytes"])  # type: ignore[call-overload]
         return files, size
 
@@ -243,14 +239,6 @@ def _view(whole: np.ndarray, offset: int, shape: list[int], dtype: str) -> np.nd
     dt = np.dtype(dtype)
     count = int(np.prod(shape))
     return whole[offset: offset + count * dt.itemsize].view(dt).reshape(shape)
-
-
-def _unlink(path: Path) -> bool:
-    try:
-        path.unlink()
-        return True
-    except OSError:
-        return False
 
 
 __all__ = ["DEFAULT_MAX_BYTES", "LAYOUT_VERSION", "PackedCache", "default_dir", "has_packed", "wait_for_writers"]

@@ -186,3 +186,29 @@ def test_run_with_a_chat_template_file(tmp_path: Path) -> None:
     chosen = json.loads(llmlocal("run", "Hi", "-t", "0", "-n", "4", "--json", "--chat-template", str(template)).stdout)
     assert chosen["prompt_tokens"] < own["prompt_tokens"]  # no system prompt, no role markers
     assert_user_error(llmlocal("run", "Hi", "--chat-template", str(tmp_path / "none.jinja")), "neither a template name")
+
+
+def test_cache_lists_and_clears_packed_weights(tmp_path: Path) -> None:
+    """`llmlocal cache` shows the packed weights kept for a model beside the KV blocks, and
+    `cache clear MODEL` removes them; a model with nothing kept is one sentence, exit code 2."""
+    import numpy as np
+    from llmlocal.native.cpu.bench_kernels import random_rows
+    from llmlocal.native.cpu.packed_cache import PackedCache, wait_for_writers
+    from llmlocal.native.cpu.qlayout import Q4_K, pack_rows
+
+    packed = pack_rows([random_rows(Q4_K, 32, 256, np.random.default_rng(0))])
+    if packed is None:
+        return  # no kernels: nothing is ever packed
+    cache = PackedCache(tmp_path / "packed")
+    cache.save_behind(bytes(16), {"run": packed}, {"model": "Tiny Coder", "path": "/models/tiny-coder.gguf"})
+    wait_for_writers()
+    dirs = ("--kv-cache-dir", str(tmp_path / "kv"), "--packed-cache-dir", str(tmp_path / "packed"))
+    listed = llmlocal("cache", *dirs)
+    assert listed.returncode == 0 and "Tiny Coder" in listed.stdout, listed.stderr
+    shown = json.loads(llmlocal("cache", *dirs, "--json").stdout)
+    [entry] = shown["packed"]["models"]
+    assert entry["model"] == "Tiny Coder" and entry["bytes"] == cache.path(bytes(16)).stat().st_size > 0
+    assert_user_error(llmlocal("cache", "clear", "llama", *dirs), "Nothing kept for a model matching 'llama'")
+    cleared = llmlocal("cache", "clear", "tiny-coder", *dirs)
+    assert cleared.returncode == 0 and "Removed the packed weights of 1 model (" in cleared.stdout
+    assert cache.entries() == []
