@@ -119,3 +119,21 @@ def test_a_writer_killed_mid_write_leaves_nothing_that_is_read(tmp_path: Path) -
     os.utime(tmp, (1, 1))
     PackedCache(tmp_path).trim()
     assert not tmp.exists()  # an hour old: its writer died
+
+
+def test_two_processes_writing_the_same_model_leave_one_whole_file(tmp_path: Path) -> None:
+    script = (
+        "import sys; from pathlib import Path; import numpy as np\n"
+        "from llmlocal.native.cpu.bench_kernels import random_rows\n"
+        "from llmlocal.native.cpu.qlayout import Q4_K, pack_rows\n"
+        "from llmlocal.native.cpu.packed_cache import PackedCache, wait_for_writers\n"
+        "p = pack_rows([random_rows(Q4_K, 256, 2048, np.random.default_rng(0))])\n"
+        f"PackedCache(Path({str(tmp_path)!r})).save_behind(bytes(range(16)), {{'k': p}}, {{'model': 'm'}})\n"
+        "wait_for_writers()\n"
+    )
+    writers = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(2)]
+    assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    assert [p.name for p in tmp_path.iterdir()] == [PackedCache(tmp_path).path(FP).name]
+    back = PackedCache(tmp_path).load(FP)
+    expected = pack_rows([random_rows(Q4_K, 256, 2048, np.random.default_rng(0))])
+    assert back is not None and same(back["k"], expected)
