@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 PAGED_HEAP_CHUNKS = 5  # heap kept after loading, in units of the largest projection's codes
 PAGED_ACT_PER_TOKEN = 38  # bytes per (chunk token x (d + ffn)) of a prefill step, fp32
-PAGED_ACT_PER_TOKEN_INT4 = 50  # the same through the INT4 kernels (fitted: 46 on a 1B of Q4_0, 47-62 on the starter)
+PAGED_ACT_PER_TOKEN_INT4 = 56  # the same through the INT4 kernels (fitted: 46 on a 1B of Q4_0, 47-62 on the starter:
+# its serving peak at 512 varies 175-207 MiB between runs, and the planner covers that range)
 PAGED_LOAD_EXTRA = 25 * MIB  # the loader's other transients
 LOAD_THREADS = 4  # layers the loader packs at once, at most (loader.load_gguf's pool)
 INT4_LOAD_BYTES = 8.5  # the INT4 loader's transients per element of the largest fused projection, a thread
