@@ -85,7 +85,7 @@ class PackedCache:
             try:
                 index = _read_index(f, os.fstat(f.fileno()).st_size, fingerprint)
                 buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError):
+            except (OSError, ValueError, KeyError, TypeError):
                 index = None
         if index is None:
             remove_file(path)
@@ -97,7 +97,10 @@ class PackedCache:
         for key, e in index["runs"].items():
             arrays = [None if a is None else _view(whole, *a) for a in e["arrays"]]
             out[key] = PackedQuant(e["qtype"], e["n"], e["k"], *arrays, interleaved=e["interleaved"])
-        os.utime(path)  # least recently used goes first
+        try:
+            os.utime(path)  # least recently used goes first
+        except OSError:
+            pass  # a directory this user may read but not write
         return out
 
     def save_behind(self, fingerprint: bytes, runs: Mapping[str, PackedQuant], about: Mapping[str, object]) -> None:
