@@ -54,9 +54,10 @@ class PackAhead:
                     self._saved[key] = saved[key]
                 else:
                     todo[key] = run
-        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="llmlocal-pack") if todo else None
-        for key, run in todo.items():
-            self._jobs[key] = self._pool.submit(self._pack, run)  # type: ignore[union-attr]
+        self._pool: ThreadPoolExecutor | None = None
+        if todo:
+            pool = self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="llmlocal-pack")
+            self._jobs = {key: pool.submit(self._pack, run) for key, run in todo.items()}
 
     def _pack(self, run: list[QuantRows]) -> PackedQuant | None:
         out = pack_rows(run)

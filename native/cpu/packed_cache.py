@@ -18,7 +18,6 @@ are trusted once complete.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import mmap
@@ -48,17 +47,11 @@ def default_dir() -> Path:
     return cache_dir("LLMLOCAL_PACKED_CACHE_DIR", "packed")
 
 
-@functools.lru_cache(maxsize=16)
-def _fingerprint(path: str, size: int, mtime_ns: int) -> bytes:
-    return model_fingerprint(path)
-
-
 def has_packed(root: str | os.PathLike[str], model_path: str | os.PathLike[str]) -> bool:
     """Whether ``root`` holds packed weights of this model file (for the memory planner: a load
     that maps them reads none of the file's projection pages)."""
     try:
-        st = os.stat(model_path)
-        return PackedCache(Path(root)).path(_fingerprint(os.fspath(model_path), st.st_size, st.st_mtime_ns)).is_file()
+        return PackedCache(Path(root)).path(model_fingerprint(model_path)).is_file()
     except OSError:
         return False
 
