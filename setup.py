@@ -30,16 +30,23 @@ ISA_SOURCES = {
 
 # Prefill's AMX tile multiplies (qmat_amx.c), where the compiler knows them (GCC 11, Clang 12).
 AMX_SOURCE = (f"{CSRC}/qmat_amx.c", ["-mamx-tile", "-mamx-int8", "-mavx512dq", *ISA_SOURCES[f"{CSRC}/qmat_avx512vnni.c"]])
+# Prompt rows through AMX-BF16 tiles (qmat_tiles.c), where the compiler knows them.
+TILES_SOURCE = (f"{CSRC}/qmat_tiles.c", ["-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-mavx512f", "-mavx512bw", "-mavx512dq"])
+PROBES = {
+    AMX_SOURCE[0]: "void probe(void) { _tile_zero(0); _tile_dpbsud(0, 1, 2); }",
+    TILES_SOURCE[0]: "void probe(void) { _tile_zero(0); _tile_dpbf16ps(0, 1, 2); }\n"
+                     "__m512bh probe2(__m512 a) { return _mm512_cvtne2ps_pbh(a, a); }",
+}
 
 
-def _compiles(compiler, flags: list[str], build_temp: str) -> bool:  # type: ignore[no-untyped-def]
-    """Whether the C compiler accepts these flags and the tile intrinsics with them."""
+def _compiles(compiler, flags: list[str], probe: str, build_temp: str) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the C compiler accepts these flags and the intrinsics of `probe` with them."""
     import tempfile
 
     with tempfile.TemporaryDirectory(dir=build_temp) as tmp:
         src = os.path.join(tmp, "probe.c")
         with open(src, "w") as f:
-            f.write("#include <immintrin.h>\nvoid probe(void) { _tile_zero(0); _tile_dpbsud(0, 1, 2); }\n")
+            f.write("#include <immintrin.h>\n" + probe + "\n")
         try:
             compiler.compile([src], output_dir=tmp, extra_postargs=flags)
         except Exception:
@@ -61,9 +68,13 @@ class BuildExt(build_ext):
         macros = list(ext.define_macros)
         isa_sources: dict[str, list[str]] = dict(getattr(ext, "isa_sources", {}))
         if isa_sources:
-            if _compiles(self.compiler, AMX_SOURCE[1], self.build_temp):
-                isa_sources[AMX_SOURCE[0]] = AMX_SOURCE[1]
-                macros.append(("LLMLOCAL_AMX", "1"))
+            # the bfloat16 tiles read the codes as the int8 AMX path unpacks them: only with it
+            for (source, flags), macro in ((AMX_SOURCE, "LLMLOCAL_AMX"), (TILES_SOURCE, "LLMLOCAL_AMX_BF16")):
+                if (macro == "LLMLOCAL_AMX" or ("LLMLOCAL_AMX", "1") in macros) and _compiles(
+                    self.compiler, flags, PROBES[source], self.build_temp
+                ):
+                    isa_sources[source] = flags
+                    macros.append((macro, "1"))
             macros.append(("LLMLOCAL_X86_VARIANTS", "1"))
         # the variants first: they hold the heavy kernel bodies
         units = list(isa_sources.items()) + [(source, []) for source in sources]
@@ -89,7 +100,7 @@ def cpu_kernels_extension() -> Extension:
         "llmlocal.native.cpu._kernels",
         sources=[f"{CSRC}/{name}" for name in ("module.c", "decode_stack.c", "int8_gemv.c", "pool.c", "dispatch.c", "isa_scalar.c", "qmat_scalar.c")],
         include_dirs=[CSRC],
-        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0]],
+        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0], TILES_SOURCE[0]],
         extra_compile_args=["-std=c11", "-O3", "-pthread", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],
         libraries=["m"],

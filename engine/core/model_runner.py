@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 import mmap
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from llmlocal.models.errors import LLMLocalError
+from llmlocal.native.cpu.linear import prompt_rows
 from llmlocal.native.paged_attention.kv_quant import row_width
 
 from ..model.attention import AttentionMetadata, PrefillChunk
@@ -212,9 +214,12 @@ class ModelRunner:
             offset += it.num_tokens
         meta.slot_mapping = torch.cat(slot_parts) if slot_parts else meta.slot_mapping
 
-        hidden = self.model(
-            torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), kv_caches or self.kv_caches, meta
-        )  # (N, d)
+        # the rows after the decodes are prompt rows (the CPU's GGUF kernels may take them
+        # through bfloat16 tiles: `prompt_rows`)
+        with prompt_rows(len(decode_rows)) if prefills else nullcontext():
+            hidden = self.model(
+                torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), kv_caches or self.kv_caches, meta
+            )  # (N, d)
         if all_rows:
             return self.model.logits(hidden), []
         # the last row of each sampling item

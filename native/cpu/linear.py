@@ -21,6 +21,9 @@ No copies: x must be a C-contiguous float32 array (torch CPU tensor or numpy); t
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -37,6 +40,27 @@ MAX_BATCH = 8
 MATMUL_MIN_ROWS = 48
 MATMUL_TILE_BYTES = 4 << 20  # dequantized weight per GEMM: a tile of output rows stays in cache
 _scratch = threading.local()
+# Rows of a call from this one on are a prompt's (prefill), set by the engine for a step:
+# None, every row is a decode row. See `prompt_rows`.
+_PROMPT_FROM: ContextVar[int | None] = ContextVar("llmlocal_prompt_rows_from", default=None)
+# Prompt rows take the AMX-BF16 tiles (`QuantLinear`) from this many in a call: each call
+# dequantizes the whole weight (the 1.5B's in about 0.12 s on two threads), which 16 rows of
+# the int8 kernels cost too.
+TILES_MIN_ROWS = 16
+
+
+@contextmanager
+def prompt_rows(first: int) -> Iterator[None]:
+    """Within this block, rows ``first`` on of every `QuantLinear` call are prompt rows: on a CPU
+    with AMX-BF16 tiles (`runtime.qmat_tiles`), 16 or more of them are computed with the weight
+    dequantized to bfloat16 and x rounded to bfloat16 (sums in float32), 3-4x closer to the
+    exact product than int8 activations and 1.5-3.5x faster at 512 rows. Decode rows keep the
+    int8 kernels, so a decoded token's numbers do not depend on the prompts beside it."""
+    token = _PROMPT_FROM.set(first)
+    try:
+        yield
+    finally:
+        _PROMPT_FROM.reset(token)
 
 
 class SparseInt4Linear:
@@ -218,6 +242,11 @@ class QuantLinear:
         self.columns_read = 0
 
     @property
+    def tiles(self) -> bool:
+        """Whether prompt rows take the AMX-BF16 tiles now (the switch is read at each call)."""
+        return bool(kernels().qmat_tiles())
+
+    @property
     def qtypes(self) -> list[int]:
         return [p.qtype for p in self.packed]
 
@@ -244,11 +273,21 @@ class QuantLinear:
             raise ValueError(f"out must have shape {tuple(x.shape[:-1]) + (n,)}, not {tuple(out.shape)}")
         dense = threshold is None
         t = 0.0 if dense else threshold
-        if batch >= MATMUL_MIN_ROWS and not numpy_in and self.prefill_matmul:
-            self._matmul(x, out, t, dense)
-            return out
         px = x.ctypes.data if numpy_in else x.data_ptr()
         py = out.ctypes.data if numpy_in else out.data_ptr()
+        first = _PROMPT_FROM.get()
+        if first is not None and batch - first >= TILES_MIN_ROWS and self.tiles:
+            tiled = self._tiles(px + 4 * first * k, py + 4 * first * n, batch - first, t, dense)
+            if first == 0:
+                self.kept_columns = self.columns_read = k
+                self.rows_kept = tiled
+                return out
+            batch = first  # the decode rows before them: the int8 kernels
+        elif batch >= MATMUL_MIN_ROWS and not numpy_in and self.prefill_matmul:
+            self._matmul(x, out, t, dense)
+            return out
+        else:
+            tiled = 0
         kept = read = rows = 0
         for b0 in range(0, batch, QM_MAX_BATCH):
             bb = min(QM_MAX_BATCH, batch - b0)
@@ -256,8 +295,18 @@ class QuantLinear:
                 chunk = m.gemv(px + 4 * b0 * k, py + 4 * (b0 * n + r0), bb, k, n, t, dense, self._counts_ptr)
             kept, read = max(kept, chunk), read + chunk
             rows += bb * k if dense else int(self._counts[:bb].sum())
-        self.kept_columns, self.columns_read, self.rows_kept = kept, read, rows
+        if tiled:
+            kept, read = k, read + k
+        self.kept_columns, self.columns_read, self.rows_kept = kept, read, rows + tiled
         return out
+
+    def _tiles(self, px: int, py: int, batch: int, t: float, dense: bool) -> int:
+        """Rows of prompt through the AMX-BF16 tiles (see `prompt_rows`); returns the inputs kept."""
+        k, n = self.in_features, self.out_features
+        kept = 0
+        for m, r0 in zip(self.matrices, self.row0):
+            kept = m.tiles(px, py + 4 * r0, batch, k, n, t, dense)
+        return kept
 
     def _matmul(self, x: Any, out: Any, t: float, dense: bool) -> None:
         """out = x^ W^T by torch's GEMM on the weight dequantized a tile of rows at a time, x^

@@ -59,6 +59,8 @@ def _configure(k: ModuleType) -> None:
         k.set_qmat_vnni(False)
     if os.environ.get("LLMLOCAL_QMAT_AMX", "").strip() == "0":
         k.set_qmat_amx(False)
+    if os.environ.get("LLMLOCAL_QMAT_TILES", "").strip() == "0":
+        k.set_qmat_tiles(False)
     spin = os.environ.get("LLMLOCAL_SPARSE_SPIN_US", "").strip()
     if spin:
         k.set_spin_us(int(spin))
@@ -107,6 +109,18 @@ def set_qmat_amx(on: bool) -> None:
     """Let prefill in the GGUF-type kernels use AMX tiles where the CPU has them and the OS
     grants them (the default); off, the VNNI kernel runs it, computing the same numbers."""
     kernels().set_qmat_amx(on)
+
+
+def qmat_tiles() -> bool:
+    """Whether prompt rows of the GGUF-type matrices run through AMX-BF16 tiles: a CPU with
+    AMX-BF16 (Sapphire Rapids and later) on the AVX-512 path, unless switched off."""
+    return bool(kernels().qmat_tiles())
+
+
+def set_qmat_tiles(on: bool) -> None:
+    """Let prompt rows run through AMX-BF16 tiles where the CPU has them (the default); off,
+    they take the int8 kernels as decode rows do."""
+    kernels().set_qmat_tiles(on)
 
 
 def num_threads() -> int:

@@ -55,6 +55,18 @@ static qm_kernel_fn g_qkernel;
 static int g_qvnni = 1; /* the quantized kernels take a VNNI variant where the CPU has one */
 static int g_qamx = 1;  /* ... and, in prefill, AMX tiles where the CPU has them */
 static qm_dequant_fn g_qdequant;
+/* Prompt rows (QMatrix.tiles) through AMX-BF16 tiles where the CPU has them (qmat_tiles.c) */
+static int g_qtiles = 1;
+static uint16_t *g_xb; /* their rows of x in bfloat16 (under the lock) */
+static size_t g_xb_n;
+
+static int tiles_on(void) {
+#ifdef LLMLOCAL_AMX_BF16
+    return g_qtiles && g_isa >= SI4_ISA_AVX512 && qm_tiles_usable();
+#else
+    return 0;
+#endif
+}
 
 static int grow(void **p, size_t *cap, size_t n, size_t elem) {
     if (n <= *cap) return 0;
@@ -417,6 +429,52 @@ static PyObject *Matrix_dequantize(MatrixObject *self, PyObject *const *args, Py
     Py_RETURN_NONE;
 }
 
+#ifdef LLMLOCAL_AMX_BF16
+/* tiles(x, y, batch, x_stride, y_stride, threshold, dense) -> inputs kept: a QMatrix's y = W x'
+ * for any number of rows of x through AMX-BF16 tiles (qmat_tiles.c); prompt rows. */
+static PyObject *Matrix_tiles(MatrixObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "tiles(x, y, batch, x_stride, y_stride, threshold, dense)");
+        return NULL;
+    }
+    if (!self->quant || !tiles_on()) {
+        PyErr_SetString(PyExc_RuntimeError, "tiles: a QMatrix on a CPU with AMX-BF16 tiles, switched on (qmat_tiles())");
+        return NULL;
+    }
+    const qm_matrix *q = &self->q;
+    const long batch = PyLong_AsLong(args[2]);
+    const Py_ssize_t xs_ = PyLong_AsSsize_t(args[3]), ys_ = PyLong_AsSsize_t(args[4]);
+    const double threshold = PyFloat_AsDouble(args[5]);
+    const int dense = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred() || dense < 0) return NULL;
+    if (batch < 1 || batch > (1 << 20) || xs_ < q->k || ys_ < q->n) {
+        PyErr_Format(PyExc_ValueError, "tiles: batch %ld must be 1..%d, x_stride >= %d, y_stride >= %d", batch, 1 << 20,
+                     q->k, q->n);
+        return NULL;
+    }
+    const size_t x_stride = (size_t)xs_, y_stride = (size_t)ys_;
+    Py_buffer vx, vy;
+    void *px, *py;
+    if (get_ptr(args[0], &vx, 0, sizeof(float) * (x_stride * (batch - 1) + q->k), 'f', &px, "x") < 0) return NULL;
+    if (get_ptr(args[1], &vy, 1, sizeof(float) * (y_stride * (batch - 1) + q->n), 'f', &py, "y") < 0) {
+        release(&vx);
+        return NULL;
+    }
+    long kept;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&si4_call_lock);
+    kept = grow((void **)&g_xb, &g_xb_n, (size_t)(batch + 15) / 16 * 16 * (size_t)q->k, 2)
+               ? -1
+               : qm_tiles_gemm(q, px, x_stride, (int)batch, (float)threshold, dense, py, y_stride, g_xb);
+    pthread_mutex_unlock(&si4_call_lock);
+    Py_END_ALLOW_THREADS
+    release(&vx);
+    release(&vy);
+    if (kept < 0) return PyErr_NoMemory();
+    return PyLong_FromLong(kept);
+}
+#endif
+
 static PyObject *Matrix_get_shape(MatrixObject *self, void *closure) {
     (void)closure;
     return Py_BuildValue("(ii)", self->m.n, self->m.k);
@@ -427,6 +485,10 @@ static PyMethodDef Matrix_methods[] = {
      "gemv(x, y, batch, x_stride, y_stride, threshold, dense, counts) -> columns kept"},
     {"dequantize", (PyCFunction)(void (*)(void))Matrix_dequantize, METH_FASTCALL,
      "dequantize(out, row0, row1, out_stride): rows [row0, row1) of W, transposed, into out (k, out_stride)"},
+#ifdef LLMLOCAL_AMX_BF16
+    {"tiles", (PyCFunction)(void (*)(void))Matrix_tiles, METH_FASTCALL,
+     "tiles(x, y, batch, x_stride, y_stride, threshold, dense) -> inputs kept: y = W x' through AMX-BF16 tiles"},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -692,6 +754,24 @@ static PyObject *py_set_qmat_amx(PyObject *mod, PyObject *arg) {
     return set_qmat_switch(arg, &g_qamx);
 }
 
+static PyObject *py_qmat_tiles(PyObject *mod, PyObject *unused) {
+    (void)mod, (void)unused;
+    pthread_mutex_lock(&si4_call_lock);
+    const int on = tiles_on();
+    pthread_mutex_unlock(&si4_call_lock);
+    return PyBool_FromLong(on);
+}
+
+static PyObject *py_set_qmat_tiles(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    pthread_mutex_lock(&si4_call_lock);
+    g_qtiles = on;
+    pthread_mutex_unlock(&si4_call_lock);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_mac_peak(PyObject *mod, PyObject *args) {
     (void)mod;
     const char *kernel;
@@ -951,6 +1031,8 @@ static PyMethodDef module_methods[] = {
     {"qmat_kernel", py_qmat_kernel, METH_NOARGS, "The quantized-matrix kernel variant that runs: scalar, avx2, avxvnni, avx512vnni or avx512vnni-amx."},
     {"set_qmat_vnni", py_set_qmat_vnni, METH_O, "set_qmat_vnni(on): let the quantized-matrix kernels use VNNI where the CPU has it (default on)."},
     {"set_qmat_amx", py_set_qmat_amx, METH_O, "set_qmat_amx(on): let the quantized-matrix kernels' prefill use AMX tiles where the CPU has them (default on)."},
+    {"qmat_tiles", py_qmat_tiles, METH_NOARGS, "Whether QMatrix.tiles runs: AMX-BF16 tiles on this CPU, switched on, the AVX-512 ISA."},
+    {"set_qmat_tiles", py_set_qmat_tiles, METH_O, "set_qmat_tiles(on): let prompt rows run through AMX-BF16 tiles where the CPU has them (default on)."},
     {"best_isa", py_best_isa, METH_NOARGS, "The best ISA this CPU and build support."},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads per GEMV, the caller included."},
     {"num_threads", py_num_threads, METH_NOARGS, "Threads per GEMV, the caller included."},

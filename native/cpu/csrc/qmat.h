@@ -153,6 +153,7 @@ int qm_sparse_prepare_amx(const float *x, size_t x_stride, int batch, int k, int
 qm_sparse_prepare_fn qm_sparse_prepare_for(qm_kernel_fn kernel);
 extern qm_sparse_prepare_fn g_sparse_prepare;
 
+
 /* Codes (n, k) uint8, row-major, into the interleaved layout (qlayout.pack); out holds
  * k / 4 * ceil(n / 32) * 16 * bits bytes. */
 void qm_pack_interleaved(const uint8_t *codes, int n, int k, int bits, int group, uint8_t *out);
@@ -178,6 +179,18 @@ void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *o
 void qm_dequant_avx2(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 #endif
 qm_dequant_fn qm_dequant_for(int isa);
+
+#ifdef LLMLOCAL_AMX_BF16
+/* Prompt rows through AMX-BF16 tiles (qmat_tiles.c): whether this CPU and OS allow them, and
+ * y (batch, y_stride) = W x' for `batch` rows of x (x_stride), W dequantized and rounded to
+ * bfloat16, x' (|x| <= threshold zeroed unless dense) rounded to bfloat16 into xb
+ * ((batch rounded up to 16) x k values), sums in float32. Runs on the pool; returns the inputs
+ * kept, or -1 when out of memory. */
+int qm_tiles_usable(void);
+void qm_group_codes_amx(const qm_matrix *m, int n, int g, uint8_t *out); /* qmat_body.h */
+long qm_tiles_gemm(const qm_matrix *m, const float *x, size_t x_stride, int batch, float threshold,
+                   int dense, float *y, size_t y_stride, uint16_t *xb);
+#endif
 
 /* Code of row n, column j (see qlayout.py for the map), as the unsigned q (Q8_0: the signed
  * value). */

@@ -1277,6 +1277,24 @@ void QM_NAME(qm_kernel)(const qm_matrix *m, const qm_acts *a, int row0, int row1
 #undef KERNEL
 }
 
+#ifdef QM_AMX
+/* Group g's codes of rows [n, n + 16) of W (n a multiple of 16), as prefill's B tile holds them
+ * (unpack_group): group / 4 rows of 64 bytes, row i holding inputs 4i .. 4i + 3 of each of the
+ * 16 rows (Q8_0's signed). qmat_tiles.c makes its bfloat16 tiles from them. */
+void qm_group_codes_amx(const qm_matrix *m, int n, int g, uint8_t *out) {
+    const uint8_t *chunk = qm_tile(m, n / 32, 0);
+    const size_t tile_bytes = (size_t)(m->bits == 6 ? 16 : 32) / 4 * (size_t)(16 * m->bits);
+#define CODES(BITS, IL)                                                                                  \
+    do {                                                                                                 \
+        const quad_src p = group_quads(m, chunk, n & ~31, (unsigned)g, tile_bytes, 0, IL);               \
+        if (n & 16) unpack_group(&p, 1, BITS, IL, out);                                                  \
+        else unpack_group(&p, 0, BITS, IL, out);                                                         \
+    } while (0)
+    BY_FORMAT(m, CODES)
+#undef CODES
+}
+#endif
+
 #if !QM_VNNI /* the VNNI variants share these with AVX2 (no dot products in them) */
 /* Columns [j0, j1), rows [row0, row1) of W as float32, transposed (qmat.h), a quad of columns
  * and 32 rows at a time through the kernels' own code loads. */
