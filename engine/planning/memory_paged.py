@@ -42,6 +42,7 @@ PAGED_ACT_PER_TOKEN = 38  # bytes per (chunk token x (d + ffn)) of a prefill ste
 PAGED_ACT_PER_TOKEN_INT4 = 56  # the same through the INT4 kernels (fitted: 46 on a 1B of Q4_0, 47-62 on the starter:
 # its serving peak at 512 varies 175-207 MiB between runs, and the planner covers that range)
 PAGED_LOAD_EXTRA = 25 * MIB  # the loader's other transients
+TILES_PANELS = 1 * MIB  # the bfloat16 tiles' dequantized panels, per thread
 LOAD_THREADS = 4  # layers the loader packs at once, at most (loader.load_gguf's pool)
 INT4_LOAD_BYTES = 8.5  # the INT4 loader's transients per element of the largest fused projection, a thread
 EMBED_PAGES_PER_TOKEN = 8192  # an embedding row read from the mapping touches one or two pages
@@ -198,7 +199,10 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
         gathered = 2 * n_ctx * heads * m.head_dim * act
         mask = chunk * n_ctx * 5
         logits = plan.max_batch * m.vocab_size * 4
-        compute = max(compute, int(layer_act + gathered + mask + logits))
+        # prompt rows in bfloat16 for the AMX-BF16 tiles (a CPU with them), and each thread's
+        # dequantized panels (at most 1 MiB; native/cpu/csrc/qmat_tiles.c)
+        tiles = 0 if on_gpu else chunk * max(m.d_model, m.d_ffn) * 2 + TILES_PANELS * (plan.threads or os.cpu_count() or 1)
+        compute = max(compute, int(layer_act + gathered + mask + logits + tiles))
     if plan.kv_cache_dir:  # a request's blocks read from the disk tier wait in memory for their load
         compute = max(compute, kv[0] // max(1, blocks) * -(-n_ctx // plan.block_size))
 
