@@ -216,10 +216,9 @@ class ModelRunner:
 
         # the rows after the decodes are prompt rows (the CPU's GGUF kernels may take them
         # through bfloat16 tiles: `prompt_rows`)
+        ids, pos_all = torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev)
         with prompt_rows(len(decode_rows)) if prefills else nullcontext():
-            hidden = self.model(
-                torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), kv_caches or self.kv_caches, meta
-            )  # (N, d)
+            hidden = self.model(ids, pos_all, kv_caches or self.kv_caches, meta)  # (N, d)
         if all_rows:
             return self.model.logits(hidden), []
         # the last row of each sampling item

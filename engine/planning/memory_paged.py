@@ -201,7 +201,8 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
         logits = plan.max_batch * m.vocab_size * 4
         # prompt rows in bfloat16 for the AMX-BF16 tiles (a CPU with them), and each thread's
         # dequantized panels (at most 1 MiB; native/cpu/csrc/qmat_tiles.c)
-        tiles = 0 if on_gpu else chunk * max(m.d_model, m.d_ffn) * 2 + TILES_PANELS * (plan.threads or os.cpu_count() or 1)
+        threads = plan.threads or os.cpu_count() or 1
+        tiles = 0 if on_gpu else chunk * max(m.d_model, m.d_ffn) * 2 + TILES_PANELS * threads
         compute = max(compute, int(layer_act + gathered + mask + logits + tiles))
     if plan.kv_cache_dir:  # a request's blocks read from the disk tier wait in memory for their load
         compute = max(compute, kv[0] // max(1, blocks) * -(-n_ctx // plan.block_size))
