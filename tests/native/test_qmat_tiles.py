@@ -33,7 +33,7 @@ from llmlocal.native.cpu.linear import TILES_MIN_ROWS, QuantLinear, prompt_rows
 
 U_BF16 = 2.0**-8
 TYPES = sorted(ql.FORMATS)
-SHAPES = [(1, 256), (33, 512), (130, 768), (64, 2048)]
+SHAPES = [(1, 256), (33, 512), (130, 768), (64, 2048), (40, 4352)]  # 4352: K in three blocks (46, 46, 44 steps)
 MEAN_SQUARED_RATIO_MAX = 1.3
 
 
@@ -130,19 +130,20 @@ def test_rounding_toward_zero_breaks_the_noise_check() -> None:
     noise.check()
 
 
+@pytest.mark.parametrize("k", [768, 4352])  # 4352: K in blocks, the sums kept between them
 @pytest.mark.parametrize("qtype", [ql.Q4_K, ql.Q6_K, ql.Q8_0], ids=["Q4_K", "Q6_K", "Q8_0"])
-def test_a_row_is_the_same_in_any_call(qtype: int) -> None:
+def test_a_row_is_the_same_in_any_call(qtype: int, k: int) -> None:
     """A prompt row's outputs do not depend on the rows beside it, nor on the threads."""
-    m, _ = matrix(qtype, 130, 768, True)
-    x = np.random.default_rng(6).standard_normal((70, 768)).astype(np.float32)
+    m, _ = matrix(qtype, 130, k, True)
+    x = np.random.default_rng(6).standard_normal((70, k)).astype(np.float32)
     y = np.empty((70, 130), np.float32)
-    m.tiles(x, y, 70, 768, 130, 0.0, True)
+    m.tiles(x, y, 70, k, 130, 0.0, True)
     threads = runtime.num_threads()
     try:
         runtime.set_num_threads(1)
         for r in (0, 33, 69):
             y1 = np.empty((1, 130), np.float32)
-            m.tiles(np.ascontiguousarray(x[r : r + 1]), y1, 1, 768, 130, 0.0, True)
+            m.tiles(np.ascontiguousarray(x[r : r + 1]), y1, 1, k, 130, 0.0, True)
             np.testing.assert_array_equal(y1[0], y[r])
     finally:
         runtime.set_num_threads(threads)

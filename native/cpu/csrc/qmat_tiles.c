@@ -31,8 +31,9 @@
 
 #include "qmat.h"
 
-#define PANEL_BUDGET (1 << 20) /* bytes of bfloat16 panels a block of W's rows may take */
-#define MAX_CHUNKS 4        /* chunks of 32 rows per block */
+#define PANEL_BUDGET (1 << 19) /* bytes of bfloat16 panels a block of W's rows may take over a block of K */
+#define MAX_CHUNKS 4           /* chunks of 32 rows per block */
+#define MAX_KBLOCK 2048        /* inputs per block of K */
 
 int qm_tiles_usable(void) {
     static int usable = -1;
@@ -88,17 +89,18 @@ static void factors16(const qm_matrix *m, int g, int n, __m512 *D, __m512 *M) {
     else *M = _mm512_mul_ps(_mm512_set1_ps((float)-m->off), d);
 }
 
-/* Chunk `row` (32 rows of W) into its panel: (K / 32) steps x 2 halves x 16 x 32 bfloat16, pair
- * row p of a step holding inputs 2p and 2p + 1 of each of the half's 16 rows, interleaved. */
-static void dequant_panel(const qm_matrix *m, int row, uint16_t *panel) {
+/* Steps [s0, s1) (inputs 32 s0 .. 32 s1) of chunk `row` (32 rows of W) into its panel: per step
+ * 2 halves x 16 x 32 bfloat16, pair row p of a step holding inputs 2p and 2p + 1 of each of the
+ * half's 16 rows, interleaved. */
+static void dequant_panel(const qm_matrix *m, int row, int s0, int s1, uint16_t *panel) {
     static const uint32_t lo_rows[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
     static const uint32_t hi_rows[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
     const __m512i plo = _mm512_loadu_si512(lo_rows), phi = _mm512_loadu_si512(hi_rows);
-    const int group = m->group, G = m->k / group, sgn = m->bits == 8;
+    const int group = m->group, sgn = m->bits == 8;
     uint8_t codes[8 * 64] __attribute__((aligned(64)));
     for (int h = 0; h < 2; h++) {
         const int n = row + 16 * h;
-        for (int g = 0; g < G; g++) {
+        for (int g = 32 * s0 / group; g < 32 * s1 / group; g++) {
             __m512 D, M;
             factors16(m, g, n, &D, &M);
             qm_group_codes_amx(m, n, g, codes);
@@ -106,7 +108,7 @@ static void dequant_panel(const qm_matrix *m, int row, uint16_t *panel) {
             const __m512 dl = _mm512_permutexvar_ps(plo, D), dh = _mm512_permutexvar_ps(phi, D);
             const __m512 ml = _mm512_permutexvar_ps(plo, M), mh = _mm512_permutexvar_ps(phi, M);
             const int j0 = g * group; /* the group's first input */
-            uint16_t *dst = panel + ((size_t)(j0 / 32) * 2 + (size_t)h) * 16 * 32 + (size_t)(j0 % 32) / 2 * 32;
+            uint16_t *dst = panel + ((size_t)(j0 / 32 - s0) * 2 + (size_t)h) * 16 * 32 + (size_t)(j0 % 32) / 2 * 32;
             for (int p = 0; p < group / 2; p++) {
                 __m512i v = _mm512_load_si512(codes + 64 * (p / 2)); /* int32 lane r: inputs 4i .. 4i + 3 of row r */
                 if (p % 2) v = _mm512_srli_epi32(v, 16);
@@ -131,18 +133,40 @@ static void put(const float *c, float *y, size_t y_stride, int b, int batch, int
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + (size_t)(b + r) * y_stride + n, keep, _mm512_load_ps(c + 16 * r));
 }
 
-/* 32 rows of x (or 16: `pair` 0) from row b against the panel of the chunk at W row `n`. */
-static void tiles_32(const uint16_t *xb, size_t k, const uint16_t *panel, int b, int pair, float *ct, float *y,
-                     size_t y_stride, int batch, int n, int ncols) {
-    const uint16_t *a0 = xb + (size_t)b * k, *a1 = a0 + 16 * k;
-    const long as = (long)(2 * k);
-    _tile_zero(0);
-    _tile_zero(1);
+/* C tile t: zeroed (the first steps of K), or loaded from a thread's sums (`acc`). */
+#define C_START(t, acc, first, stride)                                                              \
+    do {                                                                                          \
+        if (first) _tile_zero(t);                                                                 \
+        else _tile_loadd(t, acc, stride);                                                         \
+    } while (0)
+/* ... and at the end of the block: into y (the last steps of K) or back into the sums. */
+#define C_END(t, acc, last, stride, b, n)                                                           \
+    do {                                                                                          \
+        if (last) {                                                                               \
+            _tile_stored(t, ct, 64);                                                              \
+            put(ct, y, y_stride, b, batch, n, ncols);                                             \
+        } else {                                                                                  \
+            _tile_stored(t, acc, stride);                                                         \
+        }                                                                                         \
+    } while (0)
+
+/* 32 rows of x (or 16: `pair` 0) from row b against `steps` steps of the panel of the chunk at W
+ * row n, from the step whose inputs start at x column `x0`. Sums start at zero (`first`) or
+ * from `acc` (this thread's (rows, 32) float32 sums of the chunk, row stride acc_stride floats)
+ * and end in y (`last`) or back in `acc`: the same sums, in the same order, as one pass over K. */
+static void tiles_32(const uint16_t *xb, size_t k, size_t x0, const uint16_t *panel, int steps, int b, int pair,
+                     float *acc, size_t acc_stride, int first, int last, float *ct, float *y, size_t y_stride, int batch,
+                     int n, int ncols) {
+    const uint16_t *a0 = xb + (size_t)b * k + x0, *a1 = a0 + 16 * k;
+    const long as = (long)(2 * k), cs = (long)(4 * acc_stride);
+#define acc1 (acc + 16 * acc_stride) /* rows b + 16 .. of the sums (evaluated only where used) */
+    C_START(0, acc, first, cs);
+    C_START(1, acc + 16, first, cs);
     if (pair) {
-        _tile_zero(2);
-        _tile_zero(3);
-        for (size_t s = 0; s < k / 32; s++) {
-            const uint16_t *p = panel + s * 2 * 16 * 32;
+        C_START(2, acc1, first, cs);
+        C_START(3, acc1 + 16, first, cs);
+        for (int s = 0; s < steps; s++) {
+            const uint16_t *p = panel + (size_t)s * 2 * 16 * 32;
             _tile_loadd(6, p, 64);
             _tile_loadd(7, p + 16 * 32, 64);
             _tile_loadd(4, a0 + 32 * s, as);
@@ -153,8 +177,8 @@ static void tiles_32(const uint16_t *xb, size_t k, const uint16_t *panel, int b,
             _tile_dpbf16ps(3, 5, 7);
         }
     } else {
-        for (size_t s = 0; s < k / 32; s++) {
-            const uint16_t *p = panel + s * 2 * 16 * 32;
+        for (int s = 0; s < steps; s++) {
+            const uint16_t *p = panel + (size_t)s * 2 * 16 * 32;
             _tile_loadd(6, p, 64);
             _tile_loadd(7, p + 16 * 32, 64);
             _tile_loadd(4, a0 + 32 * s, as);
@@ -162,52 +186,69 @@ static void tiles_32(const uint16_t *xb, size_t k, const uint16_t *panel, int b,
             _tile_dpbf16ps(1, 4, 7);
         }
     }
-    _tile_stored(0, ct, 64);
-    put(ct, y, y_stride, b, batch, n, ncols);
-    _tile_stored(1, ct, 64);
-    put(ct, y, y_stride, b, batch, n + 16, ncols);
+    C_END(0, acc, last, cs, b, n);
+    C_END(1, acc + 16, last, cs, b, n + 16);
     if (pair) {
-        _tile_stored(2, ct, 64);
-        put(ct, y, y_stride, b + 16, batch, n, ncols);
-        _tile_stored(3, ct, 64);
-        put(ct, y, y_stride, b + 16, batch, n + 16, ncols);
+        C_END(2, acc1, last, cs, b + 16, n);
+        C_END(3, acc1 + 16, last, cs, b + 16, n + 16);
     }
+#undef acc1
 }
 
 typedef struct {
     const qm_matrix *m;
     const uint16_t *xb; /* (batch rounded up to 16, k) */
-    int batch, chunks_per_block, n_blocks;
+    int batch, chunks_per_block, n_blocks, steps_per_kblock;
     float *y;
     size_t y_stride;
     atomic_int next;
 } tiles_job;
 
-static _Thread_local uint16_t *t_panels;
-static _Thread_local size_t t_panels_n;
+static _Thread_local uint16_t *t_panels; /* a block's panels over one block of K */
+static _Thread_local float *t_acc;       /* its sums between blocks of K */
+static _Thread_local size_t t_panels_n, t_acc_n;
 
+static int reserve(void **p, size_t *have, size_t need) {
+    if (*have >= need) return 0;
+    free(*p);
+    *have = 0;
+    if (!(*p = aligned_alloc(64, need))) return -1;
+    *have = need;
+    return 0;
+}
+
+/* Blocks of chunks_per_block chunks of W's rows, taken in turn: for each block of K (all of K
+ * when it is short), the block's panels over it are dequantized, then every 32 rows of x run
+ * against them. x is read once per block of W's rows and K: a long K (the MLP's down
+ * projection) in blocks keeps a block's panels and the rows of x it meets in L2. */
 static void run_tiles(void *arg, int part, int n_parts) {
     (void)part, (void)n_parts;
     tiles_job *j = arg;
     const qm_matrix *m = j->m;
-    const size_t k = (size_t)m->k, panel = k * 32; /* bfloat16 values per chunk */
-    const size_t need = panel * (size_t)j->chunks_per_block;
-    if (t_panels_n < need) {
-        free(t_panels);
-        t_panels_n = 0;
-        if (!(t_panels = aligned_alloc(64, need * 2))) return; /* the other threads take its blocks */
-        t_panels_n = need;
-    }
-    float ct[16 * 16] __attribute__((aligned(64)));
-    configure();
+    const int S = m->k / 32, SK = j->steps_per_kblock, per = j->chunks_per_block;
+    const size_t panel = (size_t)SK * 2 * 16 * 32; /* bfloat16 values per chunk and block of K */
     const int chunks = m->npad / 32, bpad = (j->batch + 15) / 16 * 16;
+    const size_t acc_stride = (size_t)per * 32;
+    if (reserve((void **)&t_panels, &t_panels_n, panel * (size_t)per * 2) ||
+        (SK < S && reserve((void **)&t_acc, &t_acc_n, (size_t)bpad * acc_stride * 4)))
+        return; /* the other threads take its blocks */
+    float ct[16 * 16] __attribute__((aligned(64)));
+    float *y = j->y;
+    const size_t y_stride = j->y_stride;
+    const int batch = j->batch, ncols = m->n;
+    configure();
     for (int blk; (blk = atomic_fetch_add(&j->next, 1)) < j->n_blocks;) {
-        const int c0 = blk * j->chunks_per_block, c1 = c0 + j->chunks_per_block < chunks ? c0 + j->chunks_per_block : chunks;
-        for (int c = c0; c < c1; c++) dequant_panel(m, 32 * c, t_panels + (size_t)(c - c0) * panel);
-        for (int b = 0; b < bpad; b += 32)
-            for (int c = c0; c < c1; c++)
-                tiles_32(j->xb, k, t_panels + (size_t)(c - c0) * panel, b, bpad - b >= 32, ct, j->y, j->y_stride, j->batch,
-                         32 * c, m->n);
+        const int c0 = blk * per, c1 = c0 + per < chunks ? c0 + per : chunks;
+        for (int s0 = 0; s0 < S; s0 += SK) {
+            const int s1 = s0 + SK < S ? s0 + SK : S;
+            for (int c = c0; c < c1; c++) dequant_panel(m, 32 * c, s0, s1, t_panels + (size_t)(c - c0) * panel);
+            for (int b = 0; b < bpad; b += 32)
+                for (int c = c0; c < c1; c++) {
+                    float *acc = SK < S ? t_acc + (size_t)b * acc_stride + (size_t)(c - c0) * 32 : ct; /* ct: unused */
+                    tiles_32(j->xb, (size_t)m->k, (size_t)s0 * 32, t_panels + (size_t)(c - c0) * panel, s1 - s0, b,
+                             bpad - b >= 32, acc, acc_stride, s0 == 0, s1 == S, ct, y, y_stride, batch, 32 * c, ncols);
+                }
+        }
     }
     _tile_release();
 }
@@ -240,13 +281,16 @@ static long round_rows(const float *x, size_t x_stride, int batch, int k, float 
 long qm_tiles_gemm(const qm_matrix *m, const float *x, size_t x_stride, int batch, float threshold,
                    int dense, float *y, size_t y_stride, uint16_t *xb) {
     const long kept = round_rows(x, x_stride, batch, m->k, threshold, dense, xb);
-    int per = (int)(PANEL_BUDGET / ((size_t)m->k * 64));
+    /* K in blocks of at most MAX_KBLOCK inputs, as even as they go; as many chunks a block of
+     * W's rows as PANEL_BUDGET holds over one (up to MAX_CHUNKS) */
+    const int S = m->k / 32, nk = (S + MAX_KBLOCK / 32 - 1) / (MAX_KBLOCK / 32), SK = (S + nk - 1) / nk;
+    int per = (int)(PANEL_BUDGET / ((size_t)SK * 32 * 64));
     per = per < 1 ? 1 : per > MAX_CHUNKS ? MAX_CHUNKS : per;
     const int chunks = m->npad / 32;
-    tiles_job job = {.m = m, .xb = xb, .batch = batch, .chunks_per_block = per,
-                     .n_blocks = (chunks + per - 1) / per, .y = y, .y_stride = y_stride};
+    tiles_job job = {.m = m, .xb = xb, .batch = batch, .chunks_per_block = per, .n_blocks = (chunks + per - 1) / per,
+                     .steps_per_kblock = SK, .y = y, .y_stride = y_stride};
     atomic_init(&job.next, 0);
     si4_pool_run(run_tiles, &job, si4_pool_size());
-    /* a thread without its panels takes no block: some block left means none could */
+    /* a thread without its buffers takes no block: some block left means none could */
     return atomic_load(&job.next) < job.n_blocks ? -1 : kept;
 }
