@@ -82,7 +82,7 @@ def cpu() -> dict[str, Any]:
 
 def native_kernels() -> dict[str, Any]:
     """The native CPU kernels: whether they were compiled, the ISA path they took, and the variant
-    the GGUF-type kernels run (VNNI, AMX in prefill)."""
+    the GGUF-type kernels run (VNNI, AMX in prefill, AMX-BF16 tiles for prompt rows)."""
     from llmlocal.native.cpu import runtime
 
     if not runtime.built():
@@ -93,6 +93,7 @@ def native_kernels() -> dict[str, Any]:
             "isa": runtime.isa(),
             "best_isa": runtime.best_isa(),
             "gguf_kernel": runtime.qmat_kernel(),  # the GGUF-type kernels' variant: avx2 ... avx512vnni-amx
+            "prompt_tiles": runtime.qmat_tiles(),  # prompt rows through AMX-BF16 tiles
             "forced_by": "LLMLOCAL_SPARSE_ISA" if os.environ.get("LLMLOCAL_SPARSE_ISA", "").strip() else None,
             "threads": runtime.num_threads(),
         }
@@ -211,7 +212,8 @@ def _native_text(n: dict[str, Any]) -> str:
     if "error" in n:
         return n["error"]
     forced = f", forced by {n['forced_by']}" if n["forced_by"] else ""
-    return (f"{n['isa']} path (best here: {n['best_isa']}{forced}), GGUF types through {n['gguf_kernel']}, "
+    tiles = " (prompts in bfloat16 AMX tiles)" if n.get("prompt_tiles") else ""
+    return (f"{n['isa']} path (best here: {n['best_isa']}{forced}), GGUF types through {n['gguf_kernel']}{tiles}, "
             f"{n['threads']} threads")
 
 

@@ -5,8 +5,10 @@
 For each tensor (every type `qlayout` reads), the RMS error of W x relative to the exact
 float64 product, x heavy-tailed as a language model's activations are (Student's t, 3 degrees
 of freedom), for: fp32 activations; the QMatrix kernels' rounding (int8 per 32 inputs, the
-min term on the rounded values: `qlayout.reference_gemv`, which the kernels match); and
-llama.cpp's rounding for K-quants (Q8_K: int8 per 256 inputs).
+min term on the rounded values: `qlayout.reference_gemv`, which the kernels match); prompt
+rows on a CPU with AMX-BF16 (x and W rounded to bfloat16, sums in float32, as
+`QMatrix.tiles` computes them); and llama.cpp's rounding for K-quants (Q8_K: int8 per 256
+inputs).
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ def _rounded(x: np.ndarray, block: int) -> np.ndarray:
     xb = x.astype(np.float64).reshape(b, k // block, block)
     d = np.abs(xb).max(-1, keepdims=True) / 127
     return (np.rint(xb / np.where(d > 0, d, 1)) * d).reshape(b, k)
+
+
+def _bfloat16(a: np.ndarray) -> np.ndarray:
+    """a rounded to bfloat16 (to nearest even), back in float64."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).bfloat16().double().numpy()
 
 
 def main(argv: list[str]) -> int:
@@ -55,8 +64,10 @@ def main(argv: list[str]) -> int:
         fp32 = (x @ w.astype(np.float32).T).astype(np.float64)
         ours = ql.reference_gemv(c, x).astype(np.float64)
         q8k = _rounded(x, 256) @ w.T
+        bf16 = _bfloat16(x) @ _bfloat16(w).T
         print(f"{name} ({t.tensor_type.name}): relative RMS error  fp32 activations {rel(fp32):.1e}  "
-              f"int8 per 32 (llmlocal) {rel(ours):.1e}  int8 per 256 (llama.cpp Q8_K) {rel(q8k):.1e}")
+              f"int8 per 32 (llmlocal decode) {rel(ours):.1e}  bfloat16 x and W (llmlocal prompt rows, AMX-BF16) "
+              f"{rel(bf16):.1e}  int8 per 256 (llama.cpp Q8_K) {rel(q8k):.1e}")
     return 0
 
 

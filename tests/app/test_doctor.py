@@ -68,6 +68,7 @@ def test_cpu_features_and_the_kernels_isa_match_the_runtime(report: dict) -> Non
     if native["isa"] == "avx512" and "avx512_vnni" in simd:
         assert native["gguf_kernel"] in ("avx512vnni", "avx512vnni-amx")
         assert (native["gguf_kernel"] == "avx512vnni-amx") <= ("amx_int8" in simd)
+        assert native["prompt_tiles"] == ({"amx_bf16", "avx512_bf16", "amx_tile"} <= simd)
     elif native["isa"] == "avx2":
         assert native["gguf_kernel"] == ("avxvnni" if "avx_vnni" in simd else "avx2")
 
@@ -134,7 +135,8 @@ def test_text_output_says_the_same(report: dict, report_config: Path) -> None:
     assert rows["textual"] == report["versions"]["textual"]
     assert rows["simd"] == " ".join(report["cpu"]["simd"])
     native = report["native_kernels"]
-    assert rows["native kernels"].startswith(f"{native['isa']} path") and f"through {native['gguf_kernel']}," in rows["native kernels"]
+    assert rows["native kernels"].startswith(f"{native['isa']} path") and f"through {native['gguf_kernel']}" in rows["native kernels"]
+    assert ("bfloat16 AMX tiles" in rows["native kernels"]) == native["prompt_tiles"]
     assert rows["cuda"].startswith("available" if report["cuda"]["available"] else "not available: ")
     assert rows["llama.cpp offload"].startswith("yes" if report["llamacpp"]["gpu_offload"] else "no: ")
     assert rows["config"] == f"{report['paths']['config']['path']} (not created yet)"
