@@ -1,0 +1,59 @@
+"""The paged engine's prompt paths against each other, in one process, taking turns: prompt
+rows through the AMX-BF16 tiles and through the int8 kernels (`runtime.set_qmat_tiles`), each
+round a cold prompt of its own for each path. One engine serves both, so the comparison is
+of the kernels alone, on the same weights and the same memory (a benchmark: it prints).
+
+    python -m llmlocal.app.bench.prefill_paths --model FILE.gguf --prompt-tokens 1000 --rounds 3
+
+Prints each round's time to first token per path and the median of the per-round ratios
+(int8 over tiles: above 1, the tiles are faster). On a CPU without AMX-BF16 it says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from llmlocal.engine import Engine, Plan
+from llmlocal.native.cpu import runtime
+
+from .scenarios import _prompt, _run
+
+
+def compare(model: str, prompt_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """TTFT per path (``tiles``, ``int8``), one cold prompt per path and round."""
+    ttft: dict[str, list[float]] = {"tiles": [], "int8": []}
+    with Engine.load(Plan(model=model, backend="paged", n_ctx=max(2048, 2 * prompt_tokens))) as engine:
+        _run(engine, [{"role": "user", "content": "Say hello."}], 8)
+        try:
+            for i in range(rounds):
+                for n, path in enumerate(ttft):
+                    runtime.set_qmat_tiles(path == "tiles")
+                    text = "Summarise this list of words: " + _prompt(prompt_tokens, 500 + 2 * i + n)
+                    ttft[path].append(_run(engine, [{"role": "user", "content": text}], 1).stats.ttft_s or 0.0)
+        finally:
+            runtime.set_qmat_tiles(True)
+    return ttft
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m llmlocal.app.bench.prefill_paths", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--prompt-tokens", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not runtime.qmat_tiles():
+        print("This CPU has no AMX-BF16 tiles (or LLMLOCAL_QMAT_TILES=0): prompt rows take the int8 kernels only.")
+        return 2
+    ttft = compare(args.model, args.prompt_tokens, args.rounds)
+    for path, times in ttft.items():
+        print(f"{path:>6}: TTFT " + ", ".join(f"{t:.2f} s" for t in times))
+    ratios = [b / a for a, b in zip(ttft["tiles"], ttft["int8"]) if a]
+    print(f"tiles speed vs int8: median {statistics.median(ratios):.2f}x, rounds "
+          + ", ".join(f"{r:.2f}" for r in ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
