@@ -75,6 +75,12 @@ class ModelRunner:
         # chunks of up to this many tokens after a context run as decode rows (1: only single
         # tokens); set by a native decode path whose rows compute what decoding alone would
         self.native_rows = 1
+        # Which rows are prompt rows (`prompt_rows`): 0, a sequence's prompt tokens, in a chunk
+        # of any size, so that a prompt's numbers do not depend on what the cache held (a warm
+        # prompt's last few tokens are computed as a cold one computed them) and generated tokens
+        # recomputed after a preemption as they were decoded; N > 0, any chunk of N or more
+        # tokens (a draft model's mirror, whose outputs only propose: speed decides).
+        self.prompt_chunk_min = 0
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         """Capture decode steps as CUDA graphs (see `cuda_graphs`); a no-op off CUDA."""
@@ -140,6 +146,26 @@ class ModelRunner:
         return [(torch.empty(shape, dtype=k.dtype, device=self.device), torch.empty(shape, dtype=k.dtype, device=self.device))
                 for _ in self.kv_caches]
 
+    def _prompt_chunks(self, prefills: list[StepItem]) -> tuple[list[StepItem], list[StepItem]]:
+        """The prefill items split into (the others, prompt rows' chunks) by `prompt_chunk_min`;
+        an item that runs past its sequence's prompt (a recompute after preemption) is split
+        there, the logits staying with its second part."""
+        if self.prompt_chunk_min:
+            big = [it for it in prefills if it.num_tokens >= self.prompt_chunk_min]
+            return [it for it in prefills if it.num_tokens < self.prompt_chunk_min], big
+        rest: list[StepItem] = []
+        prompts: list[StepItem] = []
+        for it in prefills:
+            inside = it.seq.num_prompt_tokens - it.start  # of its tokens, those in the prompt
+            if inside >= it.num_tokens:
+                prompts.append(it)
+            elif inside <= 0:
+                rest.append(it)
+            else:
+                prompts.append(StepItem(it.seq, it.start, inside, False))
+                rest.append(StepItem(it.seq, it.start + inside, it.num_tokens - inside, it.sample, it.num_logits))
+        return rest, prompts
+
     @torch.inference_mode()
     def execute(
         self,
@@ -161,6 +187,10 @@ class ModelRunner:
         short = 1 if all_rows or kv_caches is not None else max(1, self.native_rows)
         decodes = [it for it in items if it.start > 0 and it.num_tokens <= short]
         prefills = [it for it in items if not (it.start > 0 and it.num_tokens <= short)]
+        # the prompt rows last, one run of rows for the tiles (scoring keeps its rows in order:
+        # all of them are a prompt's)
+        rest, prompts = ([], prefills) if all_rows else self._prompt_chunks(prefills)
+        prefills = rest + prompts
         ordered = decodes + prefills
         dev = self.device
 
@@ -206,6 +236,7 @@ class ModelRunner:
                     meta.decode_mask = valid[:, None, None, :]
 
         offset = len(decode_rows)
+        first_prompt_row = offset + sum(it.num_tokens for it in rest)
         for it in prefills:
             table = torch.tensor(it.seq.block_table, dtype=torch.long, device=dev)
             all_slots = self._slots(table, 0, it.start + it.num_tokens)
@@ -214,10 +245,9 @@ class ModelRunner:
             offset += it.num_tokens
         meta.slot_mapping = torch.cat(slot_parts) if slot_parts else meta.slot_mapping
 
-        # the rows after the decodes are prompt rows (the CPU's GGUF kernels may take them
-        # through bfloat16 tiles: `prompt_rows`)
+        # the prompt rows (the CPU's GGUF kernels may take them through bfloat16 tiles)
         ids, pos_all = torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev)
-        with prompt_rows(len(decode_rows)) if prefills else nullcontext():
+        with prompt_rows(first_prompt_row) if prompts else nullcontext():
             hidden = self.model(ids, pos_all, kv_caches or self.kv_caches, meta)  # (N, d)
         if all_rows:
             return self.model.logits(hidden), []

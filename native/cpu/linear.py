@@ -43,20 +43,21 @@ _scratch = threading.local()
 # Rows of a call from this one on are a prompt's (prefill), set by the engine for a step:
 # None, every row is a decode row. See `prompt_rows`.
 _PROMPT_FROM: ContextVar[int | None] = ContextVar("llmlocal_prompt_rows_from", default=None)
-# Prompt rows take the AMX-BF16 tiles (`QuantLinear`) from this many in a call: each call
-# dequantizes the whole weight (the 1.5B's in about 0.12 s on two threads). Against the int8
-# kernels on the 1.5B's layers: 16 rows 0.89x, 32 rows 1.32x, 64 rows 1.73x; the tiles' 3.5x
-# smaller error decides the rows in between.
+# A draft model's chunks take the AMX-BF16 tiles from this many rows (`ModelRunner`'s
+# `prompt_chunk_min`; a target's prompt rows take them in any number, for a prompt's numbers
+# not to depend on its chunks): each call dequantizes the whole weight (the 1.5B's in about
+# 0.12 s on two threads). Against the int8 kernels on the 1.5B's layers: 16 rows 0.89x,
+# 32 rows 1.32x, 64 rows 1.73x.
 TILES_MIN_ROWS = 16
 
 
 @contextmanager
 def prompt_rows(first: int) -> Iterator[None]:
     """Within this block, rows ``first`` on of every `QuantLinear` call are prompt rows: on a CPU
-    with AMX-BF16 tiles (`runtime.qmat_tiles`), 16 or more of them are computed with the weight
-    dequantized to bfloat16 and x rounded to bfloat16 (sums in float32), 3-4x closer to the
-    exact product than int8 activations and 1.5-3.5x faster at 512 rows. Decode rows keep the
-    int8 kernels, so a decoded token's numbers do not depend on the prompts beside it."""
+    with AMX-BF16 tiles (`runtime.qmat_tiles`) they are computed with the weight dequantized to
+    bfloat16 and x rounded to bfloat16 (sums in float32), 3-4x closer to the exact product than
+    int8 activations and 1.5-3.5x faster at 512 rows. Decode rows keep the int8 kernels, so a
+    decoded token's numbers do not depend on the prompts beside it."""
     token = _PROMPT_FROM.set(first)
     try:
         yield
@@ -277,7 +278,7 @@ class QuantLinear:
         px = x.ctypes.data if numpy_in else x.data_ptr()
         py = out.ctypes.data if numpy_in else out.data_ptr()
         first = _PROMPT_FROM.get()
-        if first is not None and batch - first >= TILES_MIN_ROWS and self.tiles:
+        if first is not None and batch > first and self.tiles:
             tiled = self._tiles(px + 4 * first * k, py + 4 * first * n, batch - first, t, dense)
             if first == 0:
                 self.kept_columns = self.columns_read = k

@@ -29,7 +29,7 @@ from qmat_cases import gguf_blocks
 from test_kernels_exact import exact_weight, gamma, thresholded
 from llmlocal.native.cpu import kernels, runtime
 from llmlocal.native.cpu import qlayout as ql
-from llmlocal.native.cpu.linear import TILES_MIN_ROWS, QuantLinear, prompt_rows
+from llmlocal.native.cpu.linear import QuantLinear, prompt_rows
 
 U_BF16 = 2.0**-8
 TYPES = sorted(ql.FORMATS)
@@ -151,9 +151,8 @@ def test_a_row_is_the_same_in_any_call(qtype: int, k: int) -> None:
 
 def test_prompt_rows_take_the_tiles_and_decode_rows_the_int8_kernels() -> None:
     """Through the layer, as a step of the engine calls it: the decode rows first give what the
-    int8 kernels give them alone, the prompt rows after them what the tiles give them alone;
-    fewer than TILES_MIN_ROWS prompt rows stay with the int8 kernels, and so does every row
-    with the tiles switched off."""
+    int8 kernels give them alone, the prompt rows after them what the tiles give them alone,
+    however few; with the tiles switched off every row takes the int8 kernels."""
     raws = [gguf_blocks(ql.Q4_K, n, 512, seed=n) for n in (45, 19)]  # stacked: two matrices
     lin = QuantLinear([ql.decode(r, ql.Q4_K) for r in raws], interleaved=True)
     rng = np.random.default_rng(7)
@@ -167,8 +166,8 @@ def test_prompt_rows_take_the_tiles_and_decode_rows_the_int8_kernels() -> None:
     assert torch.equal(y[:decode], int8[:decode])
     assert torch.equal(y[decode:], tiles)
     assert not torch.equal(tiles, int8[decode:])  # a different rounding, so the test means something
-    with prompt_rows(decode + prompt - TILES_MIN_ROWS + 1):
-        assert torch.equal(lin(x), int8)
+    with prompt_rows(decode + prompt - 1):  # one prompt row: the tiles too
+        assert torch.equal(lin(x)[-1], tiles[-1])
     runtime.set_qmat_tiles(False)
     try:
         with prompt_rows(0):
