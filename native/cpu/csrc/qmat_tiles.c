@@ -165,25 +165,18 @@ static void tiles_32(const uint16_t *xb, size_t k, size_t x0, const uint16_t *pa
     if (pair) {
         C_START(2, acc1, first, cs);
         C_START(3, acc1 + 16, first, cs);
-        for (int s = 0; s < steps; s++) {
-            const uint16_t *p = panel + (size_t)s * 2 * 16 * 32;
-            _tile_loadd(6, p, 64);
-            _tile_loadd(7, p + 16 * 32, 64);
-            _tile_loadd(4, a0 + 32 * s, as);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
+    }
+    for (int s = 0; s < steps; s++) { /* `pair` is the same throughout: the compiler unswitches it */
+        const uint16_t *p = panel + (size_t)s * 2 * 16 * 32;
+        _tile_loadd(6, p, 64);
+        _tile_loadd(7, p + 16 * 32, 64);
+        _tile_loadd(4, a0 + 32 * s, as);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (pair) {
             _tile_loadd(5, a1 + 32 * s, as);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
-        }
-    } else {
-        for (int s = 0; s < steps; s++) {
-            const uint16_t *p = panel + (size_t)s * 2 * 16 * 32;
-            _tile_loadd(6, p, 64);
-            _tile_loadd(7, p + 16 * 32, 64);
-            _tile_loadd(4, a0 + 32 * s, as);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
         }
     }
     C_END(0, acc, last, cs, b, n);
