@@ -27,7 +27,6 @@ import torch
 from llmlocal.models import ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
-from llmlocal.native.cpu.linear import TILES_MIN_ROWS
 from llmlocal.native.cpu.pack_ahead import PackAhead
 
 from ..core.block_manager import ROOT_KEY, BlockManager
@@ -142,7 +141,6 @@ class PagedBackend(LocalBackend):
             draft = resolve(plan.draft)
             check_same_vocabulary(spec, draft.spec, plan.draft)
             draft_runner = ModelRunner(load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=kv_dtype)
-            draft_runner.prompt_chunk_min = TILES_MIN_ROWS  # its catch-ups of a few tokens: int8
             FastDecode.attach(draft_runner)
             drafter = DraftModel(draft_runner)
         disk = open_disk_tier(model, plan, runner) if cls is PagedBackend else None  # (sparse: thresholds change its KV)

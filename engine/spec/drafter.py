@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from llmlocal.native.cpu.linear import TILES_MIN_ROWS
 
 from ..core.block_manager import BlockManager
 from ..core.model_runner import ModelRunner, StepItem
@@ -114,6 +115,9 @@ class DraftModel:
 
     def __init__(self, runner: ModelRunner, prompt_lookup: bool = True) -> None:
         self.runner = runner
+        # the bfloat16 tiles for chunks of 16+ tokens only: its catch-ups of a few tokens stay
+        # on the int8 kernels (its tokens only propose, so speed decides)
+        runner.prompt_chunk_min = TILES_MIN_ROWS
         self.prompt_lookup = prompt_lookup
         self.head = runner.model.lm_head
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True)

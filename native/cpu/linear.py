@@ -278,18 +278,13 @@ class QuantLinear:
         px = x.ctypes.data if numpy_in else x.data_ptr()
         py = out.ctypes.data if numpy_in else out.data_ptr()
         first = _PROMPT_FROM.get()
-        if first is not None and batch > first and self.tiles:
-            tiled = self._tiles(px + 4 * first * k, py + 4 * first * n, batch - first, t, dense)
-            if first == 0:
-                self.kept_columns = self.columns_read = k
-                self.rows_kept = tiled
-                return out
-            batch = first  # the decode rows before them: the int8 kernels
+        tiled = first is not None and batch > first and self.tiles
+        if tiled:
+            tiled_kept = self._tiles(px + 4 * first * k, py + 4 * first * n, batch - first, t, dense)
+            batch = first  # the decode rows before them (if any): the int8 kernels
         elif batch >= MATMUL_MIN_ROWS and not numpy_in and self.prefill_matmul:
             self._matmul(x, out, t, dense)
             return out
-        else:
-            tiled = 0
         kept = read = rows = 0
         for b0 in range(0, batch, QM_MAX_BATCH):
             bb = min(QM_MAX_BATCH, batch - b0)
@@ -297,9 +292,9 @@ class QuantLinear:
                 chunk = m.gemv(px + 4 * b0 * k, py + 4 * (b0 * n + r0), bb, k, n, t, dense, self._counts_ptr)
             kept, read = max(kept, chunk), read + chunk
             rows += bb * k if dense else int(self._counts[:bb].sum())
-        if tiled:
-            kept, read = k, read + k
-        self.kept_columns, self.columns_read, self.rows_kept = kept, read, rows + tiled
+        if tiled:  # the tiles read every column
+            kept, read, rows = k, read + k, rows + tiled_kept
+        self.kept_columns, self.columns_read, self.rows_kept = kept, read, rows
         return out
 
     def _tiles(self, px: int, py: int, batch: int, t: float, dense: bool) -> int:
