@@ -183,6 +183,24 @@ class Engine:
         cancel = self._register(request)
         return self._stream(request, lambda: self.backend.generate(request, prompt, cancel))
 
+    def prefill(self, request: Request, cancel: threading.Event | None = None) -> int:
+        """Compute ``request``'s prompt ahead of time, so that a request whose prompt starts the
+        same way later prefills only what follows (the paged engine's prefix cache, llama.cpp's
+        context): what a chat does with the message being typed. Blocks until done or cancelled
+        (`cancel` with the request's id, or setting ``cancel``, which may be set before the
+        call); returns the tokens computed (0 for a remote server, which caches by itself, or a
+        prompt that leaves no room for a reply)."""
+        self.backend.check(request)
+        prompt = self._prompt(request)
+        if not prompt.exact or (self.n_ctx is not None and prompt.tokens >= self.n_ctx):
+            return 0
+        cancel = self._register(request, cancel)
+        try:
+            return self.backend.prefill(request, prompt, cancel)
+        finally:
+            with self._lock:
+                self._cancels.pop(request.id, None)
+
     def _shorter(self, tokens: int) -> str:
         """How to fit a prompt of ``tokens`` that overflows the context window."""
         maximum = self.model.spec.context_length
@@ -192,8 +210,8 @@ class Engine:
             return f"shorten it or pass --ctx {min(maximum, _round_up(tokens * 2))}"
         return f"shorten it (this model's maximum is {maximum})"
 
-    def _register(self, request: Request) -> threading.Event:
-        cancel = threading.Event()
+    def _register(self, request: Request, cancel: threading.Event | None = None) -> threading.Event:
+        cancel = cancel if cancel is not None else threading.Event()
         with self._lock:
             if request.id in self._cancels:
                 raise LLMLocalError(f"Request id {request.id} is already running: use a new id.")

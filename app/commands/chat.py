@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_options(p)
     add_sampling_options(p)
     add_format_options(p, chat=True)
+    p.add_argument("--no-prefill-draft", dest="prefill_draft", action="store_false",
+                   help="do not prefill the message while it is typed (by default, once the message box is "
+                        "still for a moment, the conversation with it is computed ahead, so the reply starts sooner)")
     p.set_defaults(func=run)
 
 
@@ -117,4 +120,5 @@ def make_app(
         first_message=args.message,
         plan_for=plan_for,
         reply_format=reply_format if reply_format is not None else reply_format_from_args(args),
+        prefill_draft=getattr(args, "prefill_draft", True),
     )

@@ -15,17 +15,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from llmlocal.models.errors import LLMLocalError
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Input, Static
+from llmlocal.models.errors import LLMLocalError
 
 from ..history import Chat, ChatStore, Conversation, StoredMessage, data_dir
 from .chat_list import ChatItems, ChatList
 from .conversation import ConversationView, MessageView
 from .dialogs import ConfirmScreen, TextPromptScreen
+from .draft_prefill import DraftPrefill
 from .engine_panel import WARN_AT, EnginePanel
 from .help_screen import HelpScreen, Section, rows_of
 from .model_actions import ModelActions
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from llmlocal.engine import Engine, Plan, SamplingParams
 
 
-class ChatApp(ReplyActions, ModelActions, App[None]):
+class ChatApp(ReplyActions, ModelActions, DraftPrefill, App[None]):
     TITLE = "llmlocal chat"
     CSS_PATH = "chat.tcss"
     ENABLE_COMMAND_PALETTE = False
@@ -75,11 +76,13 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
         first_message: str | None = None,
         plan_for: Callable[[str], Plan] | None = None,
         reply_format: ReplyFormat | None = None,
+        prefill_draft: bool = True,
     ) -> None:
         """``plan`` loads the first model (unless ``engine`` is given); ``plan_for(name)`` is
         the plan of a model picked later (the CLI runs the planner there; by default, ``plan``
         with the model replaced). Without ``store``, the chats are in the user's data dir.
-        ``system``, ``sampling`` and ``reply_format`` are the settings of new chats."""
+        ``system``, ``sampling`` and ``reply_format`` are the settings of new chats;
+        ``prefill_draft``: prefill the message while it is typed (`DraftPrefill`)."""
         super().__init__()
         from llmlocal.engine import SamplingParams
 
@@ -103,6 +106,7 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
         self.warned: set[int | None] = set()  # chats already warned about a nearly full context
         self.threads = ThreadCount()
         self.closing = False
+        self.prefill_draft = prefill_draft
 
     # ---- layout and lifecycle ------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -143,6 +147,7 @@ class ChatApp(ReplyActions, ModelActions, App[None]):
 
     async def on_unmount(self) -> None:
         self.closing = True
+        self.stop_draft_prefill()
         if self.reply is not None:
             self.stop_reply()  # the reply ends within a token and is stored as stopped
         await asyncio.to_thread(self.threads.wait_idle, 120.0)

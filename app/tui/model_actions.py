@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llmlocal.models.errors import LLMLocalError
 from textual import work
+from llmlocal.models.errors import LLMLocalError
 
 from .model_picker import ModelPicker
 from .worker_messages import EngineLoaded, EngineLoadFailed, ModelsListed
@@ -129,6 +129,7 @@ class ModelActions(_AppBase):
             self.owned.append(message.engine)
         self.loading = None
         if old is not None and old is not message.engine:
+            self.stop_draft_prefill()
             self.retired.append(old)
             self.close_retired()
             if self.chat is not None:
@@ -180,7 +181,9 @@ class ModelActions(_AppBase):
             return
         retired, self.retired = self.retired, []
         for engine in retired:
-            if engine in self.owned:
+            if self.draft_busy(engine):  # closed once its draft's prefill stops (_draft_done)
+                self.retired.append(engine)
+            elif engine in self.owned:
                 self.owned.remove(engine)
                 self._close_worker(engine)
 

@@ -66,15 +66,21 @@ class ReplyActions(_AppBase):
         """Answer ``text`` after the shown branch, or in place of the message being edited."""
         if not self.can_start():
             return
+        job = self.reply_job_for(text)
+        self.prompt.clear()
+        self.stop_editing()
+        self.start(job)
+
+    def reply_job_for(self, text: str) -> ReplyJob:
+        """The reply `send` would start for ``text`` now: after the shown branch, or in place
+        of the message being edited."""
         if self.editing is not None:
             index = next(i for i, m in enumerate(self.messages) if m.id == self.editing.id)
             above, parent = self.messages[:index], self.editing.parent_id
         else:
             above = self.messages
             parent = self.messages[-1].id if self.messages else None
-        self.prompt.clear()
-        self.stop_editing()
-        self.start(self.job(parent, text, above))
+        return self.job(parent, text, above)
 
     async def action_regenerate(self) -> None:
         """A new reply to the last user message, beside the old one (which stays a branch)."""
@@ -109,6 +115,7 @@ class ReplyActions(_AppBase):
         return True
 
     def start(self, job: ReplyJob) -> None:
+        self.stop_draft_prefill()  # its finished blocks stay cached for this reply
         self.reply = ReplyState(job.request_id, job.cancel, chat_id=job.chat_id)
         self.refresh_bindings()  # Esc now stops
         self.panel.state.activity = "generating…"

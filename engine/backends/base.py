@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..prompt.chat_template import ChatTemplate
 
 from ..prompt.grammar import check_grammar
-from ..types import Event, Message, Request
+from ..types import DoneEvent, Event, Message, Request
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,12 @@ class Backend(Protocol):
         """
         ...
 
+    def prefill(self, request: Request, prompt: Prompt, cancel: threading.Event) -> int:
+        """Compute ``prompt``'s K/V into the backend's prefix cache ahead of a request that will
+        start with it; stop within one step once ``cancel`` is set. Returns the tokens computed
+        (0 where the backend keeps no prefix: a server's)."""
+        ...
+
     def log_probs(self, token_ids: list[int]) -> np.ndarray:
         """(len(token_ids) - 1, vocab) float32 log-softmax; row i is the distribution of the
         token after ``token_ids[: i + 1]``."""
@@ -100,6 +106,16 @@ class LocalBackend:
     def render(self, template: ChatTemplate, messages: Sequence[Message],
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         return template.render(list(messages), tools=tools)
+
+    def prefill(self, request: Request, prompt: Prompt, cancel: threading.Event) -> int:
+        """The prompt's K/V through a one-token greedy reply (the paged engines keep a finished
+        or cancelled sequence's full blocks in their prefix cache); its token is dropped."""
+        one = replace(request.sampling, max_tokens=1, temperature=0.0, n=1, grammar=None, logprobs=None, stop=())
+        computed = 0
+        for event in self.generate(replace(request, sampling=one), prompt, cancel):  # type: ignore[attr-defined]
+            if isinstance(event, DoneEvent):
+                computed = event.stats.prompt_tokens - (event.stats.cached_prompt_tokens or 0)
+        return computed
 
     def prompt(self, request: Request, template: ChatTemplate, bos: str | None) -> Prompt:
         if request.prompt is not None:

@@ -223,6 +223,14 @@ class LlamaCppBackend(LocalBackend):
         stats = recorder.finish(len(prompt_ids), cached_prompt_tokens=cached, n_ctx=self.n_ctx)
         yield DoneEvent(text.text, finish, stats, index, kept)
 
+    def prefill(self, request: Request, prompt: Prompt, cancel: threading.Event) -> int:
+        """The prompt's K/V into the context, all but its last token (which a request evaluates
+        on its own, `_prefill_all_but_last`): a request starting with it reuses them."""
+        with self._lock:
+            if cancel.is_set() or len(prompt.ids) < 2:
+                return 0
+            return len(prompt.ids) - 1 - self._prefill_all_but_last(prompt.ids)
+
     def _grammar_masks(self) -> TokenMasks:
         if self._token_masks is None:
             vocab = self._llm._model.vocab

@@ -182,6 +182,10 @@ class RemoteBackend:
         return Prompt([], math.ceil(len(text) / 4), exact=False)  # about 4 characters a token in English
 
     # ---- generation ----------------------------------------------------------------------
+    def prefill(self, request: Request, prompt: Prompt, cancel: threading.Event) -> int:
+        """A server keeps its prompts' caches itself: nothing to compute ahead here."""
+        return 0
+
     def generate(self, request: Request, prompt: Prompt, cancel: threading.Event) -> Iterator[Event]:
         """Stream the server's reply (the server tokenizes: ``prompt``'s count stands in when
         it reports no usage)."""
