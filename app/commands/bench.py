@@ -8,6 +8,8 @@ Scenarios:
   prefill  TTFT of a long prompt (--prompt-tokens), cold, per backend in --backends
   resume   the first request after a restart: a reopened chat and a restarted server whose
            prompt's blocks the KV cache on disk holds (--prompt-tokens of history), vs cold
+  draft    TTFT of a pasted message of --prompt-tokens whose prefill ran while a question was
+           typed for --pause seconds (the chat's draft prefill), vs sent cold, per backend
   spec     speculative decoding (paged): an fp32 target with an INT4 draft of itself on a
            story (or --draft M on a coding and a summarising prompt), and n-gram lookup on
            the summarising prompt; batch 1 and batch 8
@@ -28,6 +30,7 @@ Examples:
     llmlocal bench prefix --model ~/models/llama-3.2-1b-q4_0.gguf
     llmlocal bench prefill --model ~/models/qwen2.5-1.5b-q4_k_m.gguf --prompt-tokens 1000
     llmlocal bench resume --model ~/models/qwen2.5-1.5b-q4_k_m.gguf --prompt-tokens 4000
+    llmlocal bench draft --model ~/models/qwen2.5-1.5b-q4_k_m.gguf --prompt-tokens 1000 --pause 5
     llmlocal bench spec --json
     llmlocal bench sparse --json --sparsity 0.5
     llmlocal bench grammar --backends paged --rounds 3
@@ -42,25 +45,29 @@ import json
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="measure speed: decode, batch, prefix, prefill, resume, spec, sparse, grammar, kernels", description=__doc__,
+        "bench", help="measure speed: decode, batch, prefix, prefill, resume, draft, spec, sparse, grammar, kernels",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("scenario", choices=["decode", "batch", "prefix", "prefill", "resume", "spec", "sparse", "grammar", "kernels"])
+    p.add_argument("scenario",
+                   choices=["decode", "batch", "prefix", "prefill", "resume", "draft", "spec", "sparse", "grammar", "kernels"])
     p.add_argument("--model", "-m", default=None, metavar="M", help="model name or path (default: smollm2-135m)")
     p.add_argument("--backends", default="paged,llamacpp", metavar="LIST",
-                   help="decode, prefill, grammar: backends to compare, comma-separated; batch: paged alone "
+                   help="decode, prefill, draft, grammar: backends to compare, comma-separated; batch: paged alone "
                         "compares batch N with the paged engine one request at a time (default: paged,llamacpp)")
     p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
     p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
                    help="decode: decode after a prompt of about N tokens (default: a short prompt); prefill: the "
                         "prompt's length in tokens, about (default: 1000); resume: the chat history's and the "
-                        "system prompt's (default: 4000)")
+                        "system prompt's (default: 4000); draft: the pasted message's (default: 1000)")
+    p.add_argument("--pause", type=float, default=5.0, metavar="S",
+                   help="draft: seconds between the paste and Enter, the question being typed (default: 5)")
     p.add_argument("--kv-dtype", default=None, metavar="LIST",
                    help="decode: KV cache types to compare, comma-separated, each backend once per type "
                         "(f16, q8_0, ...; default: each backend's own)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="decode, prefill, resume, spec, grammar: rounds in which the backends (spec: the target alone, with the "
+                   help="decode, prefill, resume, draft, spec, grammar: rounds in which the backends (spec: the target alone, with the "
                         "draft, with n-gram lookup; grammar: constrained and free) take turns (default: 3, spec 1)")
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4)")
@@ -70,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sparse: activation sparsity to run at (default: the model's calibrated level; "
                         "0.5 to calibrate a model that has none)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="decode, prefill, sparse: CPU threads (default: physical cores); kernels: default 1")
+                   help="decode, prefill, draft, sparse: CPU threads (default: physical cores); kernels: default 1")
     p.add_argument("--types", default=None, metavar="LIST",
                    help="kernels: GGUF types, comma-separated (default: Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q4_1,Q5_0)")
     p.add_argument("--kernel", default=None, metavar="K",
@@ -119,6 +126,14 @@ def run(args: argparse.Namespace) -> int:
         if tokens < 64:
             raise LLMLocalError(f"--prompt-tokens must be at least 64, not {tokens}.")
         result = bench_resume(args.model, tokens, rounds=args.rounds or 2, threads=args.threads)
+    elif args.scenario == "draft":
+        from llmlocal.app.bench.draft import bench_draft
+
+        tokens = 1000 if args.prompt_tokens is None else args.prompt_tokens
+        if tokens < 16 or args.pause < 0:
+            raise LLMLocalError(f"--prompt-tokens must be at least 16 and --pause at least 0, not {tokens} and {args.pause}.")
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+        result = bench_draft(args.model, backends, tokens, pause_s=args.pause, rounds=args.rounds or 2, threads=args.threads)
     elif args.scenario == "sparse":
         from llmlocal.app.bench.sparse import bench_sparse
 

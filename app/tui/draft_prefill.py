@@ -1,15 +1,22 @@
 """`DraftPrefill`: the part of `ChatApp` that prefills the message while it is being typed.
 
 A long message (a pasted file, a log) costs its whole prefill before the first word of the
-reply: on a laptop's CPU, seconds per thousand tokens. But the user usually pauses before
-pressing Enter (to type the question under the paste, to read it over), and the prompt the
-reply will have is known by then up to the message's last tokens. So once the message box has
-been still for `PREFILL_AFTER_S`, the conversation with the draft as its new user message is
-prefilled in a thread worker (`Engine.prefill`): its K/V go to the engine's prefix cache (the
-paged engine's blocks, llama.cpp's context), and the reply, when it is sent, prefills only
-what changed after them. Typing again cancels that prefill and, after the next pause, starts
-one for the new text; sending cancels it too (its finished blocks are kept). Nothing is shown
-and nothing is stored: the reply's figures count the reused tokens as cached.
+reply: on a laptop's CPU, seconds per thousand tokens. But the prompt the reply will have is
+known long before Enter, up to the message's last tokens: a user pastes, then types the
+question under the paste or reads it over. So the conversation with the draft as its new user
+message is prefilled in a thread worker (`Engine.prefill`), its K/V kept in the engine's
+prefix cache (the paged engine's blocks, llama.cpp's context), and the reply then prefills
+only what came after:
+
+* a paste (the text grew by `PASTE_CHARS` or more at once) starts a prefill at once; other
+  typing, once the message box has been still for `PREFILL_AFTER_S`;
+* typing on does not stop a prefill in flight (the message's start, most of it, stays the
+  same): when it ends, the text as it is then is prefilled after the next pause, which
+  computes only the new tail; an edit that keeps less than half of the text being
+  prefilled stops it;
+* sending stops it (the blocks it finished are kept, and the reply starts from them), and so
+  do a model switch and quitting. Nothing is shown or stored: the reply's figures count the
+  reused tokens as cached.
 
 Off with `llmlocal chat --no-prefill-draft`, and idle while a reply is written or a model loads.
 """
@@ -35,6 +42,15 @@ else:
     _AppBase = object
 
 PREFILL_AFTER_S = 0.8  # the message box still this long: prefill the draft
+PASTE_CHARS = 200  # the text grew by this much at once: prefill now
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class DraftPrefill(_AppBase):
@@ -42,16 +58,25 @@ class DraftPrefill(_AppBase):
     _draft_timer: Timer | None = None
     _draft_cancel: threading.Event | None = None  # the prefill in flight's
     _draft_engine: Engine | None = None  # ... and its engine, not closed before it ends
+    _draft_text: str = ""  # ... and its text
     _draft_prompt: tuple[object, ...] | None = None  # the messages last prefilled
+    _draft_seen = 0  # the length of the text at the last change
 
     # NOTE: an on_<message> handler, not @on: this mixin is a plain class (see ReplyActions).
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
         if event.text_area is not self.prompt or not self.prefill_draft:
             return
-        self.stop_draft_prefill()
+        text = self.prompt.text
+        if self._draft_cancel is not None and common_prefix(text, self._draft_text) < len(self._draft_text) // 2:
+            self.stop_draft_prefill()  # most of what it computes is gone from the message
+        pasted = len(text) - self._draft_seen >= PASTE_CHARS
+        self._draft_seen = len(text)
         if self._draft_timer is not None:
             self._draft_timer.stop()
-        self._draft_timer = self.set_timer(PREFILL_AFTER_S, self.start_draft_prefill)
+        if pasted:
+            self.start_draft_prefill()
+        else:
+            self._draft_timer = self.set_timer(PREFILL_AFTER_S, self.start_draft_prefill)
 
     def start_draft_prefill(self) -> None:
         """Prefill the conversation as `send` would make it with the message box's text."""
@@ -59,7 +84,7 @@ class DraftPrefill(_AppBase):
         engine = self.engine
         if not text.strip() or engine is None or self.loading is not None or self.reply is not None:
             return
-        if self._draft_cancel is not None:  # one at a time: the last one is still stopping
+        if self._draft_cancel is not None:  # one at a time: `_draft_done` comes back here
             return
         job = self.reply_job_for(text)
         messages = job.messages()
@@ -68,13 +93,13 @@ class DraftPrefill(_AppBase):
             return
         from llmlocal.engine import Request
 
-        self._draft_prompt = key
+        self._draft_prompt, self._draft_text = key, text
         self._draft_cancel = cancel = threading.Event()
         self._draft_engine = engine
         self._draft_worker(engine, Request.chat(messages, job.settings.sampling, id=f"draft-{uuid.uuid4().hex}"), cancel)
 
     def stop_draft_prefill(self) -> None:
-        """Cancel the prefill in flight, if any (it ends within one engine step)."""
+        """Stop the prefill in flight, if any (within one engine step)."""
         if self._draft_cancel is not None:
             self._draft_cancel.set()
 
@@ -93,10 +118,13 @@ class DraftPrefill(_AppBase):
         if cancel is not self._draft_cancel:
             return
         self._draft_cancel = self._draft_engine = None
-        self.close_retired()
-        if cancel.is_set():  # stopped by new text: prefill the text as it is now (if any)
+        if cancel.is_set():  # stopped before its end: the same text would be prefilled again
             self._draft_prompt = None
-            self.start_draft_prefill()
+        self.close_retired()
+        if self.prompt.text != self._draft_text:  # typed on meanwhile: the new tail after a pause
+            if self._draft_timer is not None:
+                self._draft_timer.stop()
+            self._draft_timer = self.set_timer(PREFILL_AFTER_S, self.start_draft_prefill)
 
     def draft_busy(self, engine: Engine) -> bool:
         """Whether a draft's prefill is still running on ``engine`` (which must stay open)."""

@@ -29,6 +29,16 @@ def test_rounds_below_one_is_refused_for_decode_and_spec() -> None:
         assert "Traceback" not in result.stderr and "--rounds must be 1 or more" in result.stderr
 
 
+def test_a_negative_pause_is_refused_for_draft() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "llmlocal.app", "bench", "draft", "--pause", "-1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "--pause at least 0" in result.stderr
+
+
 def test_a_negative_temperature_is_refused_for_spec() -> None:
     import subprocess
     import sys

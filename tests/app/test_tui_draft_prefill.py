@@ -1,7 +1,8 @@
 """The message prefilled while it is typed (`DraftPrefill`), on the real starter model: the
-reply to a message left in the box for a moment reuses its prefill (its figures count those
-tokens as cached), on llama.cpp and on the paged engine, whose reply is the same as a cold
-run's; typing over it starts again; `--no-prefill-draft` leaves the engine alone."""
+reply to a pasted message reuses its prefill (its figures count those tokens as cached), on
+llama.cpp and on the paged engine, whose reply is the same as a cold run's; typing on after a
+paste does not stop its prefill, and the longer text is prefilled after; replacing the text
+stops it; `--no-prefill-draft` leaves the engine alone."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ async def test_the_paged_engine_reuses_it_and_replies_as_a_cold_run(tmp_path: Pa
     assert stats["text"] == done.text  # the prompt's rows are computed alike in any chunks
 
 
-async def test_typing_over_a_prefill_prefills_the_new_text(engine: Engine, tmp_path: Path) -> None:
+async def test_typing_on_after_a_paste_prefills_the_longer_text(engine: Engine, tmp_path: Path) -> None:
     app = ChatApp(Plan(), GREEDY, engine=engine, store=ChatStore(tmp_path / "chats.db"))
     async with app.run_test(size=(120, 36)) as pilot:
         await wait_idle(pilot)
@@ -61,13 +62,29 @@ async def test_typing_over_a_prefill_prefills_the_new_text(engine: Engine, tmp_p
         app.prompt.text = PASTE
         await wait_for(pilot, lambda: app._draft_prompt is not None, what="the first draft's prefill")
         first = app._draft_prompt
-        app.prompt.text = MESSAGE  # more text: the first prefill stops, the new text's starts
+        app.prompt.text = MESSAGE  # typed on: the paste's prefill goes on, then the whole text's
         await wait_for(pilot, lambda: app._draft_prompt not in (None, first) and app._draft_cancel is None,
                        what="the second draft's prefill")
         assert app._draft_prompt[1][-1] == ("user", MESSAGE)
         await type_and_send(pilot, MESSAGE)
         reply = app.store.conversation(app.chat.id).messages[-1]
         assert reply.stats["cached_prompt_tokens"] >= reply.stats["prompt_tokens"] - 2
+
+
+async def test_replacing_the_text_stops_its_prefill(engine: Engine, tmp_path: Path) -> None:
+    app = ChatApp(Plan(), GREEDY, engine=engine, store=ChatStore(tmp_path / "chats.db"))
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_idle(pilot)
+        app.prompt.focus()
+        app.prompt.text = "Replaced. " + PASTE * 3
+        await wait_for(pilot, lambda: app._draft_prompt is not None, what="the first draft's prefill")
+        first = app._draft_cancel
+        app.prompt.text = "Something else: " + PASTE[:300]  # keeps none of the first text
+        if first is not None:  # (not over yet: a busy machine takes longer than the starter does here)
+            await wait_for(pilot, first.is_set, what="the first prefill to be stopped")
+        await wait_for(pilot, lambda: app._draft_prompt is not None and app._draft_cancel is None
+                       and app._draft_prompt[1][-1] == ("user", "Something else: " + PASTE[:300]),
+                       what="the new text's prefill")
 
 
 async def test_no_prefill_draft_leaves_the_engine_alone(engine: Engine, tmp_path: Path) -> None:
