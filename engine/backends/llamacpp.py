@@ -225,11 +225,20 @@ class LlamaCppBackend(LocalBackend):
 
     def prefill(self, request: Request, prompt: Prompt, cancel: threading.Event) -> int:
         """The prompt's K/V into the context, all but its last token (which a request evaluates
-        on its own, `_prefill_all_but_last`): a request starting with it reuses them."""
+        on its own, `_prefill_all_but_last`): a request starting with it reuses them. Evaluated
+        n_batch tokens at a time, ``cancel`` looked at between them: a draft that was replaced
+        does not hold up the next request for its whole length."""
+        ids = prompt.ids[:-1]
         with self._lock:
-            if cancel.is_set() or len(prompt.ids) < 2:
-                return 0
-            return len(prompt.ids) - 1 - self._prefill_all_but_last(prompt.ids)
+            llm = self._llm
+            cached = start = _common_prefix(llm._input_ids.tolist(), ids)
+            if start == 0:
+                llm.reset()
+            llm.n_tokens = start  # eval() drops the KV cache past n_tokens before appending
+            while start < len(ids) and not cancel.is_set():
+                llm.eval(ids[start : start + llm.n_batch])
+                start = min(len(ids), start + llm.n_batch)
+            return start - cached
 
     def _grammar_masks(self) -> TokenMasks:
         if self._token_masks is None:

@@ -1,6 +1,6 @@
 """`Engine.prefill` on the real starter model: a prompt computed ahead is what a request
 starting with it reuses; a prefill cancelled before it starts computes nothing; one that
-would not leave room for a reply is skipped."""
+would not leave room for a reply is skipped; llama.cpp's stops between its batches."""
 
 from __future__ import annotations
 
@@ -33,3 +33,16 @@ def test_a_cancelled_or_oversized_prefill_computes_nothing(engine: Engine) -> No
     assert done.stats.cached_prompt_tokens < 40  # the chat template's start at most
     too_long = [{"role": "user", "content": TEXT * 12}]  # over the 2,048-token window
     assert engine.prefill(Request.chat(too_long)) == 0
+
+
+def test_llamacpp_stops_a_long_prefill_between_its_batches(engine: Engine) -> None:
+    stop = threading.Event()
+    long = [{"role": "user", "content": "Stopped midway. " + TEXT * 4}]  # about 1,700 tokens
+    total = engine.count_tokens(long) - 1
+    n_batch = engine.backend._llm.n_batch  # type: ignore[attr-defined]
+    assert total > 2 * n_batch
+    timer = threading.Timer(0.01, stop.set)
+    timer.start()
+    computed = engine.prefill(Request.chat(long), stop)
+    timer.join()
+    assert computed <= n_batch < total  # the batch under way when it was stopped, at most
