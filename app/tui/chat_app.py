@@ -206,6 +206,7 @@ class ChatApp(ReplyActions, ModelActions, DraftPrefill, App[None]):
         state.context_tokens = None
         self.panel.render_state()
         self.count_context()
+        self.start_draft_prefill()  # the history, for the next message (`DraftPrefill`)
         if focus_depth is not None:
             views = self.conversation.views()
             if views:

@@ -14,6 +14,9 @@ only what came after:
   same): when it ends, the text as it is then is prefilled after the next pause, which
   computes only the new tail; an edit that keeps less than half of the text being
   prefilled stops it;
+* with the box empty, the chat's history is prefilled when the chat is opened or its model
+  loaded: a reopened long chat whose blocks are not on disk (llama.cpp, or `--no-kv-cache`)
+  is computed while its user reads it, not after the next message;
 * sending stops it (the blocks it finished are kept, and the reply starts from them), and so
   do a model switch and quitting. Nothing is shown or stored: the reply's figures count the
   reused tokens as cached.
@@ -79,15 +82,20 @@ class DraftPrefill(_AppBase):
             self._draft_timer = self.set_timer(PREFILL_AFTER_S, self.start_draft_prefill)
 
     def start_draft_prefill(self) -> None:
-        """Prefill the conversation as `send` would make it with the message box's text."""
+        """Prefill the conversation as `send` would make it with the message box's text; with
+        the box empty, the chat's history alone (a chat just opened or a model just loaded)."""
         text = self.prompt.text
         engine = self.engine
-        if not text.strip() or engine is None or self.loading is not None or self.reply is not None:
+        if engine is None or self.loading is not None or self.reply is not None or not self.prefill_draft:
             return
         if self._draft_cancel is not None:  # one at a time: `_draft_done` comes back here
             return
         job = self.reply_job_for(text)
         messages = job.messages()
+        if not text.strip():
+            messages = messages[:-1]  # the history, without the empty message
+            if not job.history:
+                return
         key = (id(engine), tuple((m["role"], m["content"]) for m in messages))
         if key == self._draft_prompt:
             return
@@ -121,7 +129,7 @@ class DraftPrefill(_AppBase):
         if cancel.is_set():  # stopped before its end: the same text would be prefilled again
             self._draft_prompt = None
         self.close_retired()
-        if self.prompt.text != self._draft_text:  # typed on meanwhile: the new tail after a pause
+        if cancel.is_set() or self.prompt.text != self._draft_text:  # the text (or model) as it is now, after a pause
             if self._draft_timer is not None:
                 self._draft_timer.stop()
             self._draft_timer = self.set_timer(PREFILL_AFTER_S, self.start_draft_prefill)

@@ -144,6 +144,7 @@ class ModelActions(_AppBase):
         state.activity, state.loading = "", False
         self.panel.render_state()
         self.count_context()
+        self.start_draft_prefill()  # the open chat's history on the new model
         if self.first_message is not None:
             text, self.first_message = self.first_message, None
             await self.send(text)

@@ -100,3 +100,20 @@ async def test_no_prefill_draft_leaves_the_engine_alone(engine: Engine, tmp_path
         reply = app.store.conversation(app.chat.id).messages[-1]
         # only the chat template's start is shared with what the context held
         assert reply.stats["cached_prompt_tokens"] < 40
+
+
+async def test_a_reopened_chat_is_prefilled_before_the_next_message(engine: Engine, tmp_path: Path) -> None:
+    store = ChatStore(tmp_path / "chats.db")
+    chat = store.create_chat(sampling={}, model="smollm2-135m")
+    user = store.add_message(chat.id, None, "user", "Reopened. " + PASTE)
+    store.add_message(chat.id, user.id, "assistant", "House 21 gets item 3.", status="complete")
+    app = ChatApp(Plan(), GREEDY, engine=engine, store=store)
+    async with app.run_test(size=(120, 36)) as pilot:  # opens the most recent chat
+        await wait_for(pilot, lambda: app._draft_prompt is not None and app._draft_cancel is None,
+                       what="the history's prefill")
+        assert app._draft_prompt[1][-1] == ("assistant", "House 21 gets item 3.")
+        await type_and_send(pilot, "And item 4?")
+        reply = store.conversation(chat.id).messages[-1]
+        assert reply.stats["prompt_tokens"] > 400
+        # the history came from the prefill; only the new message and the template's tail did not
+        assert reply.stats["cached_prompt_tokens"] >= reply.stats["prompt_tokens"] - 24
