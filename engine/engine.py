@@ -198,8 +198,7 @@ class Engine:
         try:
             return self.backend.prefill(request, prompt, cancel)
         finally:
-            with self._lock:
-                self._cancels.pop(request.id, None)
+            self._unregister(request)
 
     def _shorter(self, tokens: int) -> str:
         """How to fit a prompt of ``tokens`` that overflows the context window."""
@@ -222,8 +221,11 @@ class Engine:
         try:
             yield from events()
         finally:
-            with self._lock:
-                self._cancels.pop(request.id, None)
+            self._unregister(request)
+
+    def _unregister(self, request: Request) -> None:
+        with self._lock:
+            self._cancels.pop(request.id, None)
 
     def cancel(self, request_id: str | None = None) -> None:
         """Stop a running request (all of them when ``request_id`` is None) within one token."""

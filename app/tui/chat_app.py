@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from llmlocal.models.errors import LLMLocalError
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Input, Static
-from llmlocal.models.errors import LLMLocalError
 
 from ..history import Chat, ChatStore, Conversation, StoredMessage, data_dir
 from .chat_list import ChatItems, ChatList

@@ -26,14 +26,16 @@ Off with `llmlocal chat --no-prefill-draft`, and idle while a reply is written o
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from typing import TYPE_CHECKING
 
+from llmlocal.models.errors import LLMLocalError
 from textual import work
+from textual.css.query import NoMatches
 from textual.timer import Timer
 from textual.widgets import TextArea
-from llmlocal.models.errors import LLMLocalError
 
 if TYPE_CHECKING:
     from llmlocal.engine import Engine, Request
@@ -48,14 +50,6 @@ PREFILL_AFTER_S = 0.8  # the message box still this long: prefill the draft
 PASTE_CHARS = 200  # the text grew by this much at once: prefill now
 
 
-def common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class DraftPrefill(_AppBase):
     prefill_draft: bool = True  # set by ChatApp from its arguments
     _draft_timer: Timer | None = None
@@ -67,10 +61,10 @@ class DraftPrefill(_AppBase):
 
     # NOTE: an on_<message> handler, not @on: this mixin is a plain class (see ReplyActions).
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
-        if event.text_area is not self.prompt or not self.prefill_draft:
+        if event.text_area.id != "prompt" or not self.prefill_draft:
             return
-        text = self.prompt.text
-        if self._draft_cancel is not None and common_prefix(text, self._draft_text) < len(self._draft_text) // 2:
+        text = event.text_area.text
+        if self._draft_cancel is not None and len(os.path.commonprefix([text, self._draft_text])) < len(self._draft_text) // 2:
             self.stop_draft_prefill()  # most of what it computes is gone from the message
         pasted = len(text) - self._draft_seen >= PASTE_CHARS
         self._draft_seen = len(text)
@@ -84,9 +78,9 @@ class DraftPrefill(_AppBase):
     def start_draft_prefill(self) -> None:
         """Prefill the conversation as `send` would make it with the message box's text; with
         the box empty, the chat's history alone (a chat just opened or a model just loaded)."""
-        text = self.prompt.text
+        text = self._box_text()
         engine = self.engine
-        if engine is None or self.loading is not None or self.reply is not None or not self.prefill_draft:
+        if text is None or engine is None or self.loading is not None or self.reply is not None or not self.prefill_draft:
             return
         if self._draft_cancel is not None:  # one at a time: `_draft_done` comes back here
             return
@@ -129,10 +123,17 @@ class DraftPrefill(_AppBase):
         if cancel.is_set():  # stopped before its end: the same text would be prefilled again
             self._draft_prompt = None
         self.close_retired()
-        if cancel.is_set() or self.prompt.text != self._draft_text:  # the text (or model) as it is now, after a pause
+        if cancel.is_set() or self._box_text() != self._draft_text:  # the text (or model) as it is now, after a pause
             if self._draft_timer is not None:
                 self._draft_timer.stop()
             self._draft_timer = self.set_timer(PREFILL_AFTER_S, self.start_draft_prefill)
+
+    def _box_text(self) -> str | None:
+        """The message box's text; None while another screen (a dialog) is in front of it."""
+        try:
+            return self.prompt.text
+        except NoMatches:
+            return None
 
     def draft_busy(self, engine: Engine) -> bool:
         """Whether a draft's prefill is still running on ``engine`` (which must stay open)."""

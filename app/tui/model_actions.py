@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from textual import work
 from llmlocal.models.errors import LLMLocalError
+from textual import work
 
 from .model_picker import ModelPicker
 from .worker_messages import EngineLoaded, EngineLoadFailed, ModelsListed

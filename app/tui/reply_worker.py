@@ -32,8 +32,8 @@ from .worker_messages import (
 )
 
 if TYPE_CHECKING:
-    from textual.message import Message
     from llmlocal.engine import Engine
+    from textual.message import Message
 
 SAVE_EVERY_S = 0.5
 Post = Callable[["Message"], object]

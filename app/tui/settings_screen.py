@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from llmlocal.models.errors import LLMLocalError
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, TextArea
-from llmlocal.models.errors import LLMLocalError
 
 from .settings import EDITABLE, FORMAT_NAMES, ChatSettings, ReplyFormat
 

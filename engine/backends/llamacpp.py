@@ -169,7 +169,7 @@ class LlamaCppBackend(LocalBackend):
     ) -> Iterator[Event]:
         llm = self._llm
         p = request.sampling
-        cached = self._prefill_all_but_last(prompt_ids)
+        cached, _ = self._prefill_all_but_last(prompt_ids)
         llm.set_seed(p.seed + index if p.seed is not None else random.getrandbits(31))
         llm.last_n_tokens_size = p.repeat_last_n
 
@@ -228,17 +228,11 @@ class LlamaCppBackend(LocalBackend):
         on its own, `_prefill_all_but_last`): a request starting with it reuses them. Evaluated
         n_batch tokens at a time, ``cancel`` looked at between them: a draft that was replaced
         does not hold up the next request for its whole length."""
-        ids = prompt.ids[:-1]
         with self._lock:
-            llm = self._llm
-            cached = start = _common_prefix(llm._input_ids.tolist(), ids)
-            if start == 0:
-                llm.reset()
-            llm.n_tokens = start  # eval() drops the KV cache past n_tokens before appending
-            while start < len(ids) and not cancel.is_set():
-                llm.eval(ids[start : start + llm.n_batch])
-                start = min(len(ids), start + llm.n_batch)
-            return start - cached
+            if cancel.is_set():
+                return 0
+            cached, done = self._prefill_all_but_last(prompt.ids, cancel)
+            return done - cached
 
     def _grammar_masks(self) -> TokenMasks:
         if self._token_masks is None:
@@ -247,11 +241,13 @@ class LlamaCppBackend(LocalBackend):
             self._token_masks = TokenMasks.for_llama_vocab(vocab, self._llm.n_vocab(), eog)
         return self._token_masks
 
-    def _prefill_all_but_last(self, prompt_ids: list[int]) -> int:
-        """Bring the KV cache to ``prompt_ids[:-1]``, reusing its longest cached prefix.
+    def _prefill_all_but_last(self, prompt_ids: list[int], stop: threading.Event | None = None) -> tuple[int, int]:
+        """Bring the KV cache to ``prompt_ids[:-1]``, reusing its longest cached prefix, n_batch
+        tokens at a time (as `eval` splits them anyway), ``stop`` looked at between them.
 
-        Returns how many prompt tokens came from the cache. The last prompt token is always
-        evaluated on its own (by `Llama.generate`), whether the rest was cached or not:
+        Returns (how many prompt tokens came from the cache, how many the context holds now).
+        The last prompt token is always evaluated on its own (by `Llama.generate`), whether the
+        rest was cached or not:
         llama.cpp's kernels round differently for a one-token batch than for a long one, so
         evaluating it the same way every time is what keeps greedy decoding of a repeated
         request identical, cold or cached.
@@ -260,10 +256,12 @@ class LlamaCppBackend(LocalBackend):
         cached = min(_common_prefix(llm._input_ids.tolist(), prompt_ids), len(prompt_ids) - 1)
         if cached == 0:
             llm.reset()
-        llm.n_tokens = cached  # eval() drops the KV cache past n_tokens before appending
-        if cached < len(prompt_ids) - 1:
-            llm.eval(prompt_ids[cached:-1])
-        return cached
+        llm.n_tokens = done = cached  # eval() drops the KV cache past n_tokens before appending
+        end = len(prompt_ids) - 1
+        while done < end and not (stop is not None and stop.is_set()):
+            llm.eval(prompt_ids[done : min(end, done + llm.n_batch)])
+            done = min(end, done + llm.n_batch)
+        return cached, done
 
     # ---- scoring ----------------------------------------------------------------------
     def log_probs(self, token_ids: list[int]) -> np.ndarray:
