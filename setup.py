@@ -32,6 +32,8 @@ ISA_SOURCES = {
 AMX_SOURCE = (f"{CSRC}/qmat_amx.c", ["-mamx-tile", "-mamx-int8", "-mavx512dq", *ISA_SOURCES[f"{CSRC}/qmat_avx512vnni.c"]])
 # Prompt rows through AMX-BF16 tiles (qmat_tiles.c), where the compiler knows them.
 TILES_SOURCE = (f"{CSRC}/qmat_tiles.c", ["-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-mavx512f", "-mavx512bw", "-mavx512dq"])
+# ... and a prompt chunk's attention on them (attn_tiles.c), built with the same flags.
+ATTN_TILES_SOURCE = f"{CSRC}/attn_tiles.c"
 PROBES = {
     AMX_SOURCE[0]: "void probe(void) { _tile_zero(0); _tile_dpbsud(0, 1, 2); }",
     TILES_SOURCE[0]: "void probe(void) { _tile_zero(0); _tile_dpbf16ps(0, 1, 2); }\n"
@@ -75,6 +77,8 @@ class BuildExt(build_ext):
                 ):
                     isa_sources[source] = flags
                     macros.append((macro, "1"))
+                    if macro == "LLMLOCAL_AMX_BF16":
+                        isa_sources[ATTN_TILES_SOURCE] = flags
             macros.append(("LLMLOCAL_X86_VARIANTS", "1"))
         # the variants first: they hold the heavy kernel bodies
         units = list(isa_sources.items()) + [(source, []) for source in sources]
@@ -100,7 +104,7 @@ def cpu_kernels_extension() -> Extension:
         "llmlocal.native.cpu._kernels",
         sources=[f"{CSRC}/{name}" for name in ("module.c", "decode_stack.c", "int8_gemv.c", "pool.c", "dispatch.c", "isa_scalar.c", "qmat_scalar.c")],
         include_dirs=[CSRC],
-        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0], TILES_SOURCE[0]],
+        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0], TILES_SOURCE[0], ATTN_TILES_SOURCE],
         extra_compile_args=["-std=c11", "-O3", "-pthread", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],
         libraries=["m"],

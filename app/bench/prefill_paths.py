@@ -1,12 +1,17 @@
-"""The paged engine's prompt paths against each other, in one process, taking turns: prompt
-rows through the AMX-BF16 tiles and through the int8 kernels (`runtime.set_qmat_tiles`), each
-round a cold prompt of its own for each path. One engine serves both, so the comparison is
-of the kernels alone, on the same weights and the same memory (a benchmark: it prints).
+"""The paged engine's prompt paths against each other, in one process, taking turns, each round
+a cold prompt of its own for each path. One engine serves both, so the comparison is of the
+kernels alone, on the same weights and the same memory (a benchmark: it prints).
 
     python -m llmlocal.app.bench.prefill_paths --model FILE.gguf --prompt-tokens 1000 --rounds 3
+    python -m llmlocal.app.bench.prefill_paths --model FILE.gguf --prompt-tokens 4000 --compare attention
+
+``--compare projections`` (the default): prompt rows through the AMX-BF16 tiles against the
+int8 kernels (`runtime.set_qmat_tiles`), attention following them. ``--compare attention``:
+the projections on the tiles both times, the prompt's attention on the tiles against torch's
+float32 attention (`runtime.set_attn_tiles`).
 
 Prints each round's time to first token per path and the median of the per-round ratios
-(int8 over tiles: above 1, the tiles are faster). On a CPU without AMX-BF16 it says so.
+(above 1, the tiles are faster). On a CPU without AMX-BF16 it says so.
 """
 
 from __future__ import annotations
@@ -20,20 +25,23 @@ from llmlocal.native.cpu import runtime
 
 from .scenarios import _prompt, _run
 
+SWITCHES = {"projections": runtime.set_qmat_tiles, "attention": runtime.set_attn_tiles}
 
-def compare(model: str, prompt_tokens: int, rounds: int) -> dict[str, list[float]]:
-    """TTFT per path (``tiles``, ``int8``), one cold prompt per path and round."""
-    ttft: dict[str, list[float]] = {"tiles": [], "int8": []}
+
+def compare(model: str, prompt_tokens: int, rounds: int, what: str = "projections") -> dict[str, list[float]]:
+    """TTFT per path (``tiles``, ``other``), one cold prompt per path and round."""
+    switch = SWITCHES[what]
+    ttft: dict[str, list[float]] = {"tiles": [], "other": []}
     with Engine.load(Plan(model=model, backend="paged", n_ctx=max(2048, 2 * prompt_tokens))) as engine:
         _run(engine, [{"role": "user", "content": "Say hello."}], 8)
         try:
             for i in range(rounds):
                 for n, path in enumerate(ttft):
-                    runtime.set_qmat_tiles(path == "tiles")
+                    switch(path == "tiles")
                     text = "Summarise this list of words: " + _prompt(prompt_tokens, 500 + 2 * i + n)
                     ttft[path].append(_run(engine, [{"role": "user", "content": text}], 1).stats.ttft_s or 0.0)
         finally:
-            runtime.set_qmat_tiles(True)
+            switch(True)
     return ttft
 
 
@@ -42,15 +50,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", required=True, help="a GGUF file")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compare", choices=sorted(SWITCHES), default="projections",
+                    help="the projections (tiles against int8 kernels) or the attention (tiles against float32)")
     args = ap.parse_args(argv)
     if not runtime.qmat_tiles():
         print("This CPU has no AMX-BF16 tiles (or LLMLOCAL_QMAT_TILES=0): prompt rows take the int8 kernels only.")
         return 2
-    ttft = compare(args.model, args.prompt_tokens, args.rounds)
+    ttft = compare(args.model, args.prompt_tokens, args.rounds, args.compare)
+    other = "int8" if args.compare == "projections" else "float32"
     for path, times in ttft.items():
-        print(f"{path:>6}: TTFT " + ", ".join(f"{t:.2f} s" for t in times))
-    ratios = [b / a for a, b in zip(ttft["tiles"], ttft["int8"]) if a]
-    print(f"tiles speed vs int8: median {statistics.median(ratios):.2f}x, rounds "
+        print(f"{path if path == 'tiles' else other:>7}: TTFT " + ", ".join(f"{t:.2f} s" for t in times))
+    ratios = [b / a for a, b in zip(ttft["tiles"], ttft["other"]) if a]
+    print(f"{args.compare} on the tiles, speed vs {other}: median {statistics.median(ratios):.2f}x, rounds "
           + ", ".join(f"{r:.2f}" for r in ratios))
     return 0
 

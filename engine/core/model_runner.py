@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from llmlocal.models.errors import LLMLocalError
-from llmlocal.native.cpu.linear import prompt_rows
+from llmlocal.native.cpu import runtime
+from llmlocal.native.cpu.linear import QuantLinear, prompt_rows
 from llmlocal.native.paged_attention.kv_quant import row_width
 
 from ..model.attention import AttentionMetadata, PrefillChunk
-from ..model.llama import LlamaModel
+from ..model.llama import PROJECTIONS, LlamaModel
 from .sequence import Sequence
 
 if TYPE_CHECKING:
@@ -81,6 +82,11 @@ class ModelRunner:
         # recomputed after a preemption as they were decoded; N > 0, any chunk of N or more
         # tokens (a draft model's mirror, whose outputs only propose: speed decides).
         self.prompt_chunk_min = 0
+        # a prompt's rows on the bfloat16 tiles, projections and attention, where the CPU has
+        # them (`runtime.qmat_tiles`, read at each step) and the projections are the GGUF types'
+        # kernels (`QuantLinear`; float32 and INT4 weights keep their own paths)
+        kernels = _layer_kernels(model)
+        self.prompt_tiles = self.device.type == "cpu" and bool(kernels) and all(isinstance(k, QuantLinear) for k in kernels)
 
     def enable_cuda_graphs(self, max_batch: int, max_context: int) -> None:
         """Capture decode steps as CUDA graphs (see `cuda_graphs`); a no-op off CUDA."""
@@ -184,9 +190,19 @@ class ModelRunner:
         # A few tokens after a context (speculative verification) run as decode rows where the
         # model decodes natively (`native_rows`): each token one row over its own context, so
         # its numbers are those of decoding it alone.
+        # On the bfloat16 tiles a prompt's own rows never do (a prompt resumed from the cache
+        # with a few new tokens, or its last token alone): they take the tiles however few they
+        # are, so that the prompt's numbers are those of a cold run. Elsewhere a prompt's rows
+        # depend on the rows beside them, and a short tail stays native. A draft model's mirror
+        # keeps its short catch-ups native (`prompt_chunk_min`: its tokens only propose).
         short = 1 if all_rows or kv_caches is not None else max(1, self.native_rows)
-        decodes = [it for it in items if it.start > 0 and it.num_tokens <= short]
-        prefills = [it for it in items if not (it.start > 0 and it.num_tokens <= short)]
+        tiles = self.prompt_tiles and not self.prompt_chunk_min and runtime.qmat_tiles()
+
+        def native(it: StepItem) -> bool:
+            return it.start > 0 and it.num_tokens <= short and not (tiles and it.start < it.seq.num_prompt_tokens)
+
+        decodes = [it for it in items if native(it)]
+        prefills = [it for it in items if not native(it)]
         # the prompt rows last, one run of rows for the tiles (scoring keeps its rows in order:
         # all of them are a prompt's)
         rest, prompts = ([], prefills) if all_rows else self._prompt_chunks(prefills)
@@ -201,7 +217,8 @@ class ModelRunner:
             positions.extend(range(it.start, it.start + it.num_tokens))
         slot_parts: list[torch.Tensor] = []
         decode_rows = [(it, it.start + r) for it in decodes for r in range(it.num_tokens)]  # (item, position)
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode_rows))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode_rows),
+                                 prompt_tiles=tiles)
 
         if decodes:
             width = max(len(it.seq.block_table) for it in decodes)
@@ -264,3 +281,9 @@ class ModelRunner:
             return torch.empty((0, self.model.cfg.vocab_size)), []
         logits = self.model.logits(hidden[torch.tensor(rows_out, device=dev)])  # (S, vocab)
         return logits, sampled
+
+
+def _layer_kernels(model: LlamaModel) -> list[object]:
+    """The kernel behind each projection of the decoder layers: a native projection holds its
+    own as ``kernel``; a torch one has none (None)."""
+    return [getattr(getattr(layer, name), "kernel", None) for layer in model.layers for name in PROJECTIONS]

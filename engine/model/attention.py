@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from llmlocal.native.cpu import runtime
+from llmlocal.native.cpu.linear import prompt_rows_from
 from llmlocal.native.paged_attention import paged_decode_attention, write_kv
 from llmlocal.native.paged_attention.kv_quant import from_cache, to_cache
 
@@ -43,6 +45,9 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) int64: where each new token's K/V goes
     num_decode: int = 0
+    # a prompt's chunks take the bfloat16 tiles (`prompt_rows`; csrc/attn_tiles.c): the CPU has
+    # them and the model's projections take them too (`ModelRunner.prompt_tiles`)
+    prompt_tiles: bool = False
     block_tables: torch.Tensor | None = None  # (num_decode, max_blocks) int32
     context_lens: torch.Tensor | None = None  # (num_decode,) int32, including the new token
     max_context_len: int = 0
@@ -103,8 +108,17 @@ def paged_attention(
     if meta.prefills:
         flat_k = k_cache.view(-1, n_kv, width)  # (slots, Hkv, W)
         flat_v = v_cache.view(-1, n_kv, width)
+        tiles = meta.prompt_tiles and q.dtype is torch.float32 and runtime.attn_tiles()
+        prompt_from = prompt_rows_from() if tiles else None
         for chunk in meta.prefills:
             rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
+            if prompt_from is not None and chunk.offset >= prompt_from and q.shape[-1] in _TILE_HEAD_DIMS:
+                # a prompt's rows on AMX-BF16 tiles, K and V as the cache holds them in every
+                # chunk (the first too): the same numbers however the prompt was chunked
+                ck = from_cache(flat_k[chunk.slots], q.dtype)
+                cv = from_cache(flat_v[chunk.slots], q.dtype)
+                out[rows] = _tiles_attention(q[rows], ck, cv, chunk.start, scale, window)
+                continue
             if chunk.start == 0:
                 # Nothing cached: attend to the chunk's own (uncached-precision) K/V.
                 ck, cv = k[rows], v[rows]
@@ -168,6 +182,20 @@ def _causal_attention(
             mask &= kpos > qpos - window
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, **gqa)
     return o.squeeze(0).transpose(0, 1)  # (T, H, D)
+
+
+_TILE_HEAD_DIMS = frozenset(range(32, 257, 32))
+
+
+def _tiles_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, window: int) -> torch.Tensor:
+    """q (T, H, D) at positions start.. over k, v (L, Hkv, D): the causal attention on the tiles,
+    softmax in float32 over each row's own keys, Q K^T and P V in bfloat16 with float32 sums."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    runtime.kernels().attn_tiles(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, h, k.shape[0],
+                                 k.shape[1], d, start, window if 0 < window < k.shape[0] else 0, scale)
+    return out
 
 
 def _sdpa_takes_gqa() -> bool:

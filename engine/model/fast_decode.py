@@ -9,13 +9,15 @@ final norm, head and sampling to the model. Each layer's family options go with 
 sandwich norms, the MLP's activation, its sliding window and which RoPE table it rotates with.
 It takes over the steps it can run exactly: every sequence of the step decoding one token
 (eight sequences a call), in the runner's own KV cache (float32, fp16 or q8_0), with every
-projection a native kernel and a bias on qkv at most; everything else (prefill, chunks mixed
-with decodes) goes through the torch model.
+projection a native kernel and a bias on qkv at most; prefill chunks go through the torch model
+(in a step mixed with decodes, after the decode rows have run natively: `_mixed`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -23,7 +25,7 @@ from llmlocal.models import ModelSpec
 from llmlocal.models.spec import SPARSITY_PROJECTIONS
 from llmlocal.native.cpu import kernels
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
-from llmlocal.native.cpu.linear import QuantLinear
+from llmlocal.native.cpu.linear import QuantLinear, prompt_rows, prompt_rows_from
 from llmlocal.native.cpu.pack_ahead import PackAhead
 from llmlocal.native.cpu.qlayout import QuantRows
 
@@ -32,14 +34,13 @@ from .attention import AttentionMetadata
 from .gguf_parts import activations
 from .gguf_tensors import INT4_TYPES
 from .linear import Int8Linear
-from .llama import LlamaModel
+from .llama import PROJECTIONS, LlamaModel
 from .loader import QuantFactory
 from .sparse_linear import NativeInt8Linear, QuantProjection, SparseInt4Projection
 
 # the order of a layer's projections in DecodeStack, by calibration name
 _ORDER = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
 assert set(_ORDER) == set(SPARSITY_PROJECTIONS)
-_ATTRS = ("qkv", "o_proj", "gate_up", "down")
 MAX_ROWS = 8  # sequences per native call (the kernels' batch)
 _ACTIVATION_IDS = {"silu": 0, "gelu_tanh": 1}  # DecodeStack's gated-MLP nonlinearities
 # DecodeStack's KV types by the pool's dtype (int8: q8_0 rows, see kv_quant)
@@ -103,7 +104,7 @@ class FastDecode:
         self.runner, self.model = runner, model
         layers = []
         for layer, (k_cache, v_cache) in zip(model.layers, runner.kv_caches):
-            mats = [_matrices(getattr(layer, a).kernel) for a in _ATTRS]
+            mats = [_matrices(getattr(layer, a).kernel) for a in PROJECTIONS]
             ptr = lambda m: None if m is None else m.weight.data_ptr()  # noqa: E731 (an optional norm)
             bias = layer.qkv.bias
             layers.append((layer.attn_norm.weight.data_ptr(), *mats, layer.mlp_norm.weight.data_ptr(),
@@ -118,7 +119,7 @@ class FastDecode:
         n = len(model.layers)
         self.thresholds = np.zeros(n * 4, dtype=np.float32)
         self.kept = np.zeros(n * 4, dtype=np.int64)
-        shapes = [(getattr(layer, a).in_features, getattr(layer, a).out_features) for layer in model.layers for a in _ATTRS]
+        shapes = [(getattr(layer, a).in_features, getattr(layer, a).out_features) for layer in model.layers for a in PROJECTIONS]
         self.out_features = np.array([n for _, n in shapes], dtype=np.int64)
         self.weights_per_row = sum(k * n for k, n in shapes)  # entries a token asks for
         self.tokens = 0
@@ -145,7 +146,7 @@ class FastDecode:
         if model.dtype != torch.float32 or runner.kv_caches[0][0].dtype not in _KV_TYPES:
             return None
         for layer in model.layers:
-            for a in _ATTRS:
+            for a in PROJECTIONS:
                 m = getattr(layer, a)
                 if not isinstance(m, SparseInt4Projection) or (m.bias is not None and a != "qkv"):
                     return None
@@ -175,12 +176,13 @@ class FastDecode:
         if (
             not self.enabled
             or SparseInt4Projection.timed
-            or meta.num_decode != n
-            or meta.prefills
+            or meta.num_decode == 0
             or meta.decode_slots is None
             or kv_caches is not self.runner.kv_caches
         ):
             return self._generic(input_ids, positions, kv_caches, meta)
+        if meta.prefills:
+            return self._mixed(input_ids, positions, kv_caches, meta)
         model = self.model
         h = model.embed_tokens(input_ids).contiguous()  # (B, d) float32, overwritten in place
         slots = meta.decode_slots  # (B, L), row b's first lens[b] valid
@@ -205,3 +207,30 @@ class FastDecode:
             )
         self.tokens += n
         return model.norm(h)
+
+    def _mixed(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """A step of decode rows and prefill chunks (a prompt arriving while others decode): the
+        decode rows natively, as in a step of their own, then the chunks through the torch
+        model, each with its part of the metadata. The sequences are independent, so nothing
+        changes but where the rows run: a decoded token's numbers do not depend on the prompts
+        computed beside it (they would, by float rounding, through the torch layers), and a
+        prompt's rows are computed as the prompt path computes them."""
+        nd = meta.num_decode
+        decode = replace(meta, slot_mapping=meta.slot_mapping[:nd], prefills=[], window_masks={})
+        chunks = replace(
+            meta, slot_mapping=meta.slot_mapping[nd:], num_decode=0, block_tables=None, context_lens=None,
+            max_context_len=0, decode_slots=meta.decode_slots[:0], decode_mask=None, window_masks={},
+            prefills=[replace(c, offset=c.offset - nd) for c in meta.prefills],
+        )
+        first = prompt_rows_from()
+        out = torch.empty((input_ids.shape[0], self.model.cfg.d_model), dtype=torch.float32, device=input_ids.device)
+        out[:nd] = self.forward(input_ids[:nd], positions[:nd], kv_caches, decode)
+        with prompt_rows(first - nd) if first is not None else nullcontext():
+            out[nd:] = self._generic(input_ids[nd:], positions[nd:], kv_caches, chunks)
+        return out

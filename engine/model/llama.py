@@ -82,6 +82,10 @@ def head_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+# a decoder layer's projections, by attribute
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,

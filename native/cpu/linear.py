@@ -65,6 +65,11 @@ def prompt_rows(first: int) -> Iterator[None]:
         _PROMPT_FROM.reset(token)
 
 
+def prompt_rows_from() -> int | None:
+    """The first prompt row of the step being computed (`prompt_rows`), or None."""
+    return _PROMPT_FROM.get()
+
+
 class SparseInt4Linear:
     """y = W x for a weight (N out, K in) stored as 4-bit codes with per-group factors."""
 

@@ -9,6 +9,8 @@ Environment (read when the kernels are first loaded):
     LLMLOCAL_QMAT_VNNI=0                     GGUF-type kernels without VNNI dot products
                                              (for measuring them; the results are the same)
     LLMLOCAL_QMAT_AMX=0                      ... and prefill without AMX tiles (the same)
+    LLMLOCAL_QMAT_TILES=0                    prompt rows without the AMX-BF16 tiles
+    LLMLOCAL_ATTN_TILES=0                    ... their attention alone (torch's float32)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from types import ModuleType
 
 ISAS = ("scalar", "avx2", "avx512")  # lowest first
 _kernels: ModuleType | None = None
+_attn_tiles = os.environ.get("LLMLOCAL_ATTN_TILES", "").strip() != "0"
 
 
 class KernelsUnavailableError(ImportError):
@@ -115,6 +118,19 @@ def qmat_tiles() -> bool:
     """Whether prompt rows of the GGUF-type matrices run through AMX-BF16 tiles: a CPU with
     AMX-BF16 (Sapphire Rapids and later) on the AVX-512 path, unless switched off."""
     return bool(kernels().qmat_tiles())
+
+
+def attn_tiles() -> bool:
+    """Whether a prompt chunk's attention runs on the AMX-BF16 tiles (csrc/attn_tiles.c) where
+    its rows take them (`qmat_tiles`), rather than torch's float32 attention."""
+    return _attn_tiles and qmat_tiles()
+
+
+def set_attn_tiles(on: bool) -> None:
+    """Let a prompt's attention take the tiles with its projections (the default); off, torch's
+    float32 attention (for measuring; a prompt's rows are then no longer the same in any chunk)."""
+    global _attn_tiles
+    _attn_tiles = bool(on)
 
 
 def set_qmat_tiles(on: bool) -> None:

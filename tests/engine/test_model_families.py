@@ -114,6 +114,9 @@ def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
 
     # chunked prefills over cached prefixes, then decodes batched with a second sequence
     a, b = Sequence(1, tokens), Sequence(2, other)
+    # their tokens from positions 25 and 19 on stand for generated ones: decode rows (a prompt's
+    # own rows take the prompt path however few)
+    a.num_prompt_tokens, b.num_prompt_tokens = 25, 19
     blocks.allocate(a)
     blocks.allocate(b)
     out, _ = runner.execute([StepItem(a, 0, 11, True), StepItem(b, 0, 19, True)])

@@ -46,6 +46,9 @@ def test_paged_logits_equal_the_unpaged_reference(tiny, block_size: int) -> None
     # Chunked prefill over a cached prefix, then decodes through the paged kernel path,
     # batched with a second sequence so rows and block tables interleave.
     a, b = Sequence(1, tokens), Sequence(2, tokens[::-1])
+    # their tokens from position 30 on stand for generated ones: decode rows (a prompt's own
+    # rows take the prompt path however few)
+    a.num_prompt_tokens = b.num_prompt_tokens = 30
     ref_b = reference_logits(weights, tokens[::-1]).float()
     blocks.allocate(a)
     blocks.allocate(b)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams
+from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams, TokenEvent
 from llmlocal.native.cpu import runtime
 
 DIR = Path(os.environ.get("LLMLOCAL_DEV_MODELS", Path.home() / ".cache" / "llmlocal-dev"))
@@ -55,3 +55,34 @@ def test_a_prompts_reply_is_the_same_cold_warm_and_from_disk(tmp_path: Path) -> 
     # every whole block of each prompt cached: tails of 5 to 15 tokens computed (197, 191, 204 tokens)
     assert all(r.stats.prompt_tokens - 16 < r.stats.cached_prompt_tokens < r.stats.prompt_tokens for r in warm + disk)
     assert without == cold == [w.text for w in warm] == [d.text for d in disk], f"prompt rows in bfloat16 tiles: {runtime.qmat_tiles()}"
+
+
+def first_logprob(engine: Engine, content: str) -> tuple[float, int, int]:
+    """The first token's log-probability, the token, and how many prompt tokens were cached."""
+    request = Request.chat([{"role": "user", "content": content}], SamplingParams(temperature=0, max_tokens=1, logprobs=1))
+    first = None
+    for event in engine.generate(request):
+        if isinstance(event, TokenEvent) and event.logprobs and first is None:
+            first = event.logprobs[0]
+        if isinstance(event, DoneEvent):
+            cached = event.stats.cached_prompt_tokens
+    assert first is not None
+    return first.logprob, first.token, cached
+
+
+def test_a_short_resumed_tail_takes_the_tiles_as_the_cold_prompt_did() -> None:
+    """A prompt resumed with at most a few new tokens (here 1 to 15 after its cached blocks): on
+    the tiles those tokens are a prompt's rows however few they are, not decode rows (the path a
+    few tokens after a context otherwise take, for speculative verification), so its first
+    token's log-probability is the cold run's to the bit."""
+    if not runtime.qmat_tiles():
+        pytest.skip("this CPU has no AMX-BF16 tiles: prompt rows take the int8 kernels and float32 attention")
+    endings = ["Why?", "Which fact is about the moon?", "Say it again, in other words, please.", "Answer in one word."]
+    with Engine.load(Plan(model=str(Q05), backend="paged", device="cpu", n_ctx=1024)) as e:
+        tails = set()
+        for ending in endings:
+            cold = first_logprob(e, FACTS + ending)
+            warm = first_logprob(e, FACTS + ending)
+            tails.add(len(e.prompt_ids(Request.chat([{"role": "user", "content": FACTS + ending}]))) - warm[2])
+            assert warm[:2] == cold[:2], (ending, warm, cold)
+    assert min(tails) <= 8, tails  # tails short enough to have been decode rows

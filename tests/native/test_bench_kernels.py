@@ -3,7 +3,6 @@ its figures are consistent with each other (it asserts no speed: benchmarks are 
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np

@@ -762,6 +762,59 @@ static PyObject *py_qmat_tiles(PyObject *mod, PyObject *unused) {
     return PyBool_FromLong(on);
 }
 
+#ifdef LLMLOCAL_AMX_BF16
+/* attn_tiles(q, k, v, out, T, H, L, Hkv, D, start, window, scale): a prompt chunk's causal
+ * attention through AMX-BF16 tiles (attn_tiles.c); q, out (T, H, D), k, v (L, Hkv, D), float32,
+ * contiguous (buffers or addresses). */
+static PyObject *py_attn_tiles(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "attn_tiles(q, k, v, out, T, H, L, Hkv, D, start, window, scale)");
+        return NULL;
+    }
+    long n[7];
+    for (int i = 0; i < 7; i++) n[i] = PyLong_AsLong(args[4 + i]);
+    const double scale = PyFloat_AsDouble(args[11]);
+    if (PyErr_Occurred()) return NULL;
+    const long T = n[0], H = n[1], L = n[2], Hkv = n[3], D = n[4], start = n[5], window = n[6];
+    if (!tiles_on()) {
+        PyErr_SetString(PyExc_RuntimeError, "attn_tiles: a CPU with AMX-BF16 tiles, switched on (qmat_tiles())");
+        return NULL;
+    }
+    if (T < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > 256 || start < 0 || L != start + T || window < 0 || T > (1 << 20)) {
+        PyErr_Format(PyExc_ValueError, "attn_tiles: T %ld, H %ld (a multiple of Hkv %ld), D %ld (32..256, a multiple of 32), L %ld = start %ld + T",
+                     T, H, Hkv, D, L, start);
+        return NULL;
+    }
+    Py_buffer vq, vk, vv, vo;
+    void *pq, *pk, *pv, *po;
+    const size_t qn = (size_t)T * H * D * 4, kn = (size_t)L * Hkv * D * 4;
+    if (get_ptr(args[0], &vq, 0, qn, 'f', &pq, "q") < 0) return NULL;
+    if (get_ptr(args[1], &vk, 0, kn, 'f', &pk, "k") < 0) {
+        release(&vq);
+        return NULL;
+    }
+    if (get_ptr(args[2], &vv, 0, kn, 'f', &pv, "v") < 0) {
+        release(&vq), release(&vk);
+        return NULL;
+    }
+    if (get_ptr(args[3], &vo, 1, qn, 'f', &po, "out") < 0) {
+        release(&vq), release(&vk), release(&vv);
+        return NULL;
+    }
+    long rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&si4_call_lock);
+    rc = qm_attn_tiles(pq, (size_t)(H * D), (size_t)D, (int)T, (int)H, pk, pv, (size_t)(Hkv * D), (size_t)D, (int)L,
+                       (int)Hkv, (int)D, (int)start, (int)window, (float)scale, po, (size_t)(H * D), (size_t)D);
+    pthread_mutex_unlock(&si4_call_lock);
+    Py_END_ALLOW_THREADS
+    release(&vq), release(&vk), release(&vv), release(&vo);
+    if (rc == -1) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+#endif
+
 static PyObject *py_set_qmat_tiles(PyObject *mod, PyObject *arg) {
     (void)mod;
     const int on = PyObject_IsTrue(arg);
@@ -1032,6 +1085,10 @@ static PyMethodDef module_methods[] = {
     {"set_qmat_vnni", py_set_qmat_vnni, METH_O, "set_qmat_vnni(on): let the quantized-matrix kernels use VNNI where the CPU has it (default on)."},
     {"set_qmat_amx", py_set_qmat_amx, METH_O, "set_qmat_amx(on): let the quantized-matrix kernels' prefill use AMX tiles where the CPU has them (default on)."},
     {"qmat_tiles", py_qmat_tiles, METH_NOARGS, "Whether QMatrix.tiles runs: AMX-BF16 tiles on this CPU, switched on, the AVX-512 ISA."},
+#ifdef LLMLOCAL_AMX_BF16
+    {"attn_tiles", (PyCFunction)(void (*)(void))py_attn_tiles, METH_FASTCALL,
+     "attn_tiles(q, k, v, out, T, H, L, Hkv, D, start, window, scale): a prompt chunk's causal attention through AMX-BF16 tiles"},
+#endif
     {"set_qmat_tiles", py_set_qmat_tiles, METH_O, "set_qmat_tiles(on): let prompt rows run through AMX-BF16 tiles where the CPU has them (default on)."},
     {"best_isa", py_best_isa, METH_NOARGS, "The best ISA this CPU and build support."},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads per GEMV, the caller included."},

@@ -190,6 +190,13 @@ int qm_tiles_usable(void);
 void qm_group_codes_amx(const qm_matrix *m, int n, int g, uint8_t *out); /* qmat_body.h */
 long qm_tiles_gemm(const qm_matrix *m, const float *x, size_t x_stride, int batch, float threshold,
                    int dense, float *y, size_t y_stride, uint16_t *xb);
+/* A prompt chunk's causal attention through the same tiles (attn_tiles.c): q (T, H, D) at
+ * positions start .. start + T - 1 over k, v (L = start + T, Hkv, D), strides in floats; a
+ * token sees the last `window` positions (0: all). 0, -1 out of memory, -2 a shape it does
+ * not take (D a multiple of 32 up to 256, H a multiple of Hkv). */
+long qm_attn_tiles(const float *q, size_t qt, size_t qh, int T, int H, const float *k, const float *v, size_t kl,
+                   size_t kh, int L, int Hkv, int D, int start, int window, float scale, float *out, size_t ot,
+                   size_t oh);
 #endif
 
 /* Code of row n, column j (see qlayout.py for the map), as the unsigned q (Q8_0: the signed

@@ -1,0 +1,288 @@
+/* A prompt chunk's causal attention through AMX-BF16 tiles (Sapphire Rapids and later).
+ *
+ * Why: with the projections on tiles (qmat_tiles.c), attention in float32 was a third of a
+ * 4,000-token prompt's prefill. Here a tile of 16 query rows of one head meets the keys in
+ * blocks: S = Q K^T by tdpbf16ps (Q scaled, then rounded to bfloat16; K rounded), an exact
+ * softmax per row in float32 over its own keys (its maximum, exp, their sum), P rounded to
+ * bfloat16, and O = P V by tdpbf16ps, divided by the sum at the end.
+ *
+ * A row's result depends on its own query, position and keys only, never on the call's shape:
+ * key blocks start at multiples of 32 from position 0 whatever the chunk; a key a row may not
+ * see (after it, or before its window) is given P = 0 exactly, so the blocks a tile computes
+ * for its other rows add nothing to it; every sum runs in one order. So a prompt's reply is the
+ * same computed in one chunk, in several, or resumed from the cache (the engine reads K and V
+ * as the cache holds them for every chunk).
+ *
+ * Layouts (bfloat16): K per kv head in blocks of 16 keys by 32 dims, a B tile each (row r:
+ * dims 2r, 2r + 1 of each key, interleaved); V per kv head in blocks of 32 keys by 16 dims
+ * (row r: keys 2r, 2r + 1 of each dim); a tile's P rows are A tiles of 32 keys as they lie.
+ *
+ * Compiled with -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw -mavx512dq (setup.py,
+ * LLMLOCAL_AMX_BF16). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qmat.h"
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void configure(void) { /* every tile 16 rows of 64 bytes */
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* e^x for x <= 0 (x >= -87.3 clamped: smaller is 0 to float's precision), to about 1 ulp:
+ * 2^n e^r, |r| <= ln 2 / 2, e^r by a degree-6 polynomial. */
+static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 floats -> bfloat16, round to nearest even (as vcvtne2ps2bf16). */
+static inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    size_t qt, qh, kl, kh, ot, oh; /* strides in floats: q / out per token and head, k / v per key and head */
+    int T, H, L, Hkv, D, start, window;
+    float scale;
+    int kb16, vb32; /* blocks of 16 keys (K) and of 32 keys (V) over L */
+    uint16_t *kp, *vp; /* packed K and V, per kv head */
+    atomic_int packed, next;
+} attn_job;
+
+/* K and V of kv head g into their tile layouts. */
+static void pack_head(const attn_job *j, int g) {
+    const int D = j->D, dc = D / 32;
+    uint16_t *kp = j->kp + (size_t)g * j->kb16 * 16 * D, *vp = j->vp + (size_t)g * j->vb32 * 32 * D;
+    for (int kb = 0; kb < j->kb16; kb++)
+        for (int c = 0; c < dc; c++) {
+            uint16_t *t = kp + ((size_t)kb * dc + c) * 512; /* 16 rows x 32 values */
+            for (int n = 0; n < 16; n++) {
+                const int key = 16 * kb + n;
+                /* the key's 32 dims in bfloat16: the pair (2r, 2r + 1) goes to row r, column 2n */
+                __m256i row = _mm256_setzero_si256();
+                if (key < j->L) row = to_bf16(_mm512_loadu_ps(j->k + (size_t)key * j->kl + (size_t)g * j->kh + 32 * c));
+                uint32_t pairs[8];
+                _mm256_storeu_si256((__m256i *)pairs, row);
+                for (int r = 0; r < 8; r++) memcpy(t + (size_t)r * 32 + 2 * n, &pairs[r], 4);
+                __m256i row2 = _mm256_setzero_si256();
+                if (key < j->L) row2 = to_bf16(_mm512_loadu_ps(j->k + (size_t)key * j->kl + (size_t)g * j->kh + 32 * c + 16));
+                _mm256_storeu_si256((__m256i *)pairs, row2);
+                for (int r = 0; r < 8; r++) memcpy(t + (size_t)(r + 8) * 32 + 2 * n, &pairs[r], 4);
+            }
+        }
+    const int de = D / 16;
+    uint16_t zero[16] = {0};
+    for (int vb = 0; vb < j->vb32; vb++)
+        for (int r = 0; r < 16; r++) {
+            const int k0 = 32 * vb + 2 * r, k1 = k0 + 1;
+            for (int e = 0; e < de; e++) {
+                uint16_t a[16], b[16];
+                if (k0 < j->L) _mm256_storeu_si256((__m256i *)a, to_bf16(_mm512_loadu_ps(j->v + (size_t)k0 * j->kl + (size_t)g * j->kh + 16 * e)));
+                else memcpy(a, zero, sizeof a);
+                if (k1 < j->L) _mm256_storeu_si256((__m256i *)b, to_bf16(_mm512_loadu_ps(j->v + (size_t)k1 * j->kl + (size_t)g * j->kh + 16 * e)));
+                else memcpy(b, zero, sizeof b);
+                uint16_t *t = vp + ((size_t)vb * de + e) * 512 + (size_t)r * 32;
+                for (int n = 0; n < 16; n++) t[2 * n] = a[n], t[2 * n + 1] = b[n];
+            }
+        }
+}
+
+/* kv heads handed out in turn (the pool skips a part whose thread has not started) */
+static void run_pack(void *arg, int part, int n_parts) {
+    (void)part, (void)n_parts;
+    attn_job *j = arg;
+    for (int g; (g = atomic_fetch_add(&j->packed, 1)) < j->Hkv;) pack_head(j, g);
+}
+
+static _Thread_local float *t_s;
+static _Thread_local uint16_t *t_p;
+static _Thread_local size_t t_s_n, t_p_n;
+
+static int reserve(void **p, size_t *have, size_t need) {
+    if (*have >= need) return 0;
+    free(*p);
+    *have = 0;
+    if (!(*p = aligned_alloc(64, (need + 63) / 64 * 64))) return -1;
+    *have = need;
+    return 0;
+}
+
+/* Which of columns c .. c + 15 lie in [a, b). */
+static inline __mmask16 keys_in(int c, int a, int b) {
+    if (c >= a && c + 16 <= b) return 0xffff;
+    const __m512i col = _mm512_add_epi32(_mm512_set1_epi32(c), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    return _mm512_cmpge_epi32_mask(col, _mm512_set1_epi32(a)) & _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32(b));
+}
+
+/* Query rows [t0, t0 + rows) of head h. */
+static void tile_rows(const attn_job *j, int h, int t0, int rows, float *S, uint16_t *P) {
+    const int D = j->D, dc = D / 32, de = D / 16, g = h / (j->H / j->Hkv);
+    const int p0 = j->start + t0, p1 = p0 + rows - 1; /* the tile's first and last positions */
+    const int lo = j->window > 0 && p0 - j->window + 1 > 0 ? p0 - j->window + 1 : 0;
+    const int vb0 = lo / 32, vb1 = p1 / 32 + 1, ncol = 32 * (vb1 - vb0); /* blocks of 32 keys */
+    const uint16_t *kp = j->kp + (size_t)g * j->kb16 * 16 * D, *vp = j->vp + (size_t)g * j->vb32 * 32 * D;
+    /* Q, scaled and rounded, as A tiles: 16 rows of D values (rows past `rows` zero) */
+    uint16_t qa[16 * 256] __attribute__((aligned(64)));
+    for (int i = 0; i < 16; i++)
+        for (int d = 0; d < D; d += 16) {
+            const __m512 x = i < rows ? _mm512_mul_ps(_mm512_loadu_ps(j->q + (size_t)(t0 + i) * j->qt + (size_t)h * j->qh + d),
+                                                      _mm512_set1_ps(j->scale))
+                                      : _mm512_setzero_ps();
+            _mm256_storeu_si256((__m256i *)(qa + (size_t)i * D + d), to_bf16(x));
+        }
+    /* S = Q K^T, two C tiles of 16 keys at a time (two chains of tile multiplies in flight);
+     * Q's A tiles stay in tmm2-5 where D <= 128 */
+    const int resident = dc <= 4;
+    if (resident) {
+        _tile_loadd(2, qa, 2 * D);
+        if (dc > 1) _tile_loadd(3, qa + 32, 2 * D);
+        if (dc > 2) _tile_loadd(4, qa + 64, 2 * D);
+        if (dc > 3) _tile_loadd(5, qa + 96, 2 * D);
+    }
+    for (int kb = 2 * vb0; kb < 2 * vb1; kb += 2) {
+        const uint16_t *k0 = kp + (size_t)kb * dc * 512, *k1 = k0 + (size_t)dc * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+#define QK(c, A)                                                                                  \
+    do {                                                                                          \
+        _tile_loadd(6, k0 + (c) * 512, 64);                                                       \
+        _tile_loadd(7, k1 + (c) * 512, 64);                                                       \
+        _tile_dpbf16ps(0, A, 6);                                                                  \
+        _tile_dpbf16ps(1, A, 7);                                                                  \
+    } while (0)
+        if (resident) {
+            QK(0, 2);
+            if (dc > 1) QK(1, 3);
+            if (dc > 2) QK(2, 4);
+            if (dc > 3) QK(3, 5);
+        } else {
+            for (int c = 0; c < dc; c++) {
+                _tile_loadd(2, qa + 32 * c, 2 * D);
+                QK(c, 2);
+            }
+        }
+#undef QK
+        _tile_stored(0, S + 16 * (kb - 2 * vb0), 4 * ncol);
+        _tile_stored(1, S + 16 * (kb + 1 - 2 * vb0), 4 * ncol);
+    }
+    /* each row's softmax over its own keys: P in bfloat16, its sum */
+    float inv[16];
+    for (int i = 0; i < 16; i++) {
+        float *s = S + (size_t)i * ncol;
+        uint16_t *p = P + (size_t)i * ncol;
+        if (i >= rows) {
+            memset(p, 0, (size_t)ncol * 2);
+            continue;
+        }
+        const int pos = p0 + i, first = j->window > 0 && pos - j->window + 1 > 0 ? pos - j->window + 1 : 0;
+        const int a = first - 32 * vb0, b = pos + 1 - 32 * vb0; /* its keys: columns [a, b) */
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < ncol; c += 16)
+            mv = _mm512_mask_max_ps(mv, keys_in(c, a, b), mv, _mm512_loadu_ps(s + c));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 lv = _mm512_setzero_ps();
+        for (int c = 0; c < ncol; c += 16) {
+            const __m512 e = _mm512_maskz_mov_ps(keys_in(c, a, b), exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + c), m)));
+            const __m256i eb = to_bf16(e);
+            _mm256_storeu_si256((__m256i *)(p + c), eb);
+            lv = _mm512_add_ps(lv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16))); /* the rounded P */
+        }
+        inv[i] = 1.0f / _mm512_reduce_add_ps(lv);
+    }
+    /* O = P V: 4 C tiles (64 dims) at a time, every block of 32 keys */
+    float o[16 * 64] __attribute__((aligned(64)));
+    for (int e0 = 0; e0 < de; e0 += 4) {
+        const int ne = de - e0 < 4 ? de - e0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int vb = vb0; vb < vb1; vb++) {
+            _tile_loadd(4, P + 32 * (vb - vb0), 2 * ncol);
+            const uint16_t *vt = vp + ((size_t)vb * de + e0) * 512;
+            _tile_loadd(5, vt, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (ne > 1) {
+                _tile_loadd(6, vt + 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (ne > 2) {
+                _tile_loadd(7, vt + 1024, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (ne > 3) {
+                _tile_loadd(5, vt + 1536, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, o, 256);
+        _tile_stored(1, o + 16, 256);
+        _tile_stored(2, o + 32, 256);
+        _tile_stored(3, o + 48, 256);
+        for (int i = 0; i < rows; i++) {
+            float *dst = j->out + (size_t)(t0 + i) * j->ot + (size_t)h * j->oh + 16 * e0;
+            for (int e = 0; e < ne; e++)
+                _mm512_storeu_ps(dst + 16 * e, _mm512_mul_ps(_mm512_load_ps(o + (size_t)i * 64 + 16 * e), _mm512_set1_ps(inv[i])));
+        }
+    }
+}
+
+static void run_attn(void *arg, int part, int n_parts) {
+    (void)part, (void)n_parts;
+    attn_job *j = arg;
+    const int tiles = (j->T + 15) / 16, ncol_max = 32 * j->vb32;
+    if (reserve((void **)&t_s, &t_s_n, (size_t)16 * ncol_max * 4) || reserve((void **)&t_p, &t_p_n, (size_t)16 * ncol_max * 2))
+        return; /* the other threads take its tiles */
+    configure();
+    for (int w; (w = atomic_fetch_add(&j->next, 1)) < j->H * tiles;) {
+        const int h = w % j->H, t0 = 16 * (w / j->H);
+        tile_rows(j, h, t0, j->T - t0 < 16 ? j->T - t0 : 16, t_s, t_p);
+    }
+    _tile_release();
+}
+
+long qm_attn_tiles(const float *q, size_t qt, size_t qh, int T, int H, const float *k, const float *v, size_t kl,
+                   size_t kh, int L, int Hkv, int D, int start, int window, float scale, float *out, size_t ot,
+                   size_t oh) {
+    if (T < 1 || H < 1 || Hkv < 1 || H % Hkv || D % 32 || D > 256 || L != start + T) return -2;
+    attn_job j = {.q = q, .k = k, .v = v, .out = out, .qt = qt, .qh = qh, .kl = kl, .kh = kh, .ot = ot, .oh = oh,
+                  .T = T, .H = H, .L = L, .Hkv = Hkv, .D = D, .start = start, .window = window, .scale = scale};
+    j.vb32 = (L + 31) / 32;
+    j.kb16 = 2 * j.vb32;
+    j.kp = aligned_alloc(64, (size_t)Hkv * j.kb16 * 16 * D * 2);
+    j.vp = aligned_alloc(64, (size_t)Hkv * j.vb32 * 32 * D * 2);
+    long ok = -1;
+    if (j.kp && j.vp) {
+        atomic_init(&j.packed, 0);
+        si4_pool_run(run_pack, &j, si4_pool_size());
+        atomic_init(&j.next, 0);
+        si4_pool_run(run_attn, &j, si4_pool_size());
+        ok = atomic_load(&j.next) < H * ((T + 15) / 16) ? -1 : 0;
+    }
+    free(j.kp);
+    free(j.vp);
+    return ok;
+}
