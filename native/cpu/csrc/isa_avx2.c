@@ -8,6 +8,7 @@ typedef __m256 vf;
 #define CV 4
 #define B1_NC 2
 #define PASS_MAX 2
+#define UNPACKED_ROWS 6 /* rows of x per pass over codes unpacked once (kernel_body.h) */
 #define MAX_ACC 8
 #define V_ZERO() _mm256_setzero_ps()
 #define V_SET1(f) _mm256_set1_ps(f)

@@ -24,6 +24,8 @@
  * prefetched `si4_prefetch_ahead` bytes ahead, continuing into the next group's runs near the
  * end (2x the single-thread bandwidth from DRAM on the Llama-3.2-1B shapes).
  */
+#include <stdlib.h>
+
 #include "sparse_int4.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -120,6 +122,78 @@ ALWAYS_INLINE prefetch_t plan_prefetch(const si4_acts *a, int g, int next, int g
     return pf;
 }
 
+#ifdef UNPACKED_ROWS
+/* A thread's buffer of `n` floats for a block's unpacked codes (grown as needed; NULL when out of
+ * memory: the passes then unpack the codes themselves). */
+static float *unpacked_scratch(size_t n) {
+    static _Thread_local float *buf;
+    static _Thread_local size_t have;
+    if (n > have) {
+        free(buf);
+        have = 0;
+        if (!(buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))) return NULL;
+        have = n;
+    }
+    return buf;
+}
+
+/* The codes of group g's kept columns in the 32-row block at `row`, as floats: column i - i0's
+ * 32 rows at qb[32 (i - i0)]; each column's run prefetched as `pf` says. */
+ALWAYS_INLINE void unpack_block(const si4_matrix *m, const si4_acts *a, int g, int row, const prefetch_t pf,
+                                float *qb) {
+    const uint8_t *base = m->codes + row / 2;
+    const size_t stride = m->colstride;
+    const int i0 = a->goff[g], i1 = a->goff[g + 1];
+    for (int i = i0; i < i1; i++) {
+        if (i - i0 < pf.count) __builtin_prefetch(m->codes + (size_t)a->cols[pf.first + i - i0] * stride + pf.off, 0, 3);
+        vf q[CV];
+        UNPACK(base + (size_t)a->cols[i] * stride, q);
+#pragma GCC unroll 8
+        for (int v = 0; v < CV; v++) V_STORE(qb + (size_t)(i - i0) * 32 + v * VW, q[v]);
+    }
+}
+
+/* Rows b0 .. b0 + BB - 1 of x against 16 rows of W (from `row`) of group g, from the codes as
+ * floats (q: column i's 16 rows at q[32 i]) and x transposed (xt: column i's batch rows at
+ * xt[i B]): per column two vectors of W and BB broadcasts feed 2 BB multiply-adds, where block's
+ * passes of PASS_MAX rows unpack the codes again for each pass. The same multiply-adds in the
+ * same order as block's, and the same update of y: the same floats. */
+ALWAYS_INLINE void half_unpacked(const si4_matrix *m, const si4_acts *a, int g, int row, float *ybuf, const int BB,
+                                 int b0, const float *q, const float *xt) {
+    enum { HV = CV / 2 };
+    const int n = a->goff[g + 1] - a->goff[g], B = a->batch;
+    vf acc[UNPACKED_ROWS * HV];
+#pragma GCC unroll 16
+    for (int v = 0; v < BB * HV; v++) acc[v] = V_ZERO();
+    const float *x = xt + b0;
+    for (int i = 0; i < n; i++, q += 32, x += B) {
+        vf w[HV];
+#pragma GCC unroll 4
+        for (int v = 0; v < HV; v++) w[v] = V_LOAD(q + v * VW);
+#pragma GCC unroll 8
+        for (int b = 0; b < BB; b++) {
+            const vf xb = V_SET1(x[b]);
+#pragma GCC unroll 4
+            for (int v = 0; v < HV; v++) acc[b * HV + v] = V_FMA(w[v], xb, acc[b * HV + v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < BB; b++) {
+        const vf xs = V_SET1(a->xs[(size_t)g * B + b0 + b]);
+        float *y = ybuf + (size_t)(b0 + b) * m->npad + row;
+#pragma GCC unroll 4
+        for (int v = 0; v < HV; v++) {
+            vf d, mn;
+            load_factors(m, g, row + v * VW, &d, &mn);
+            vf yv = V_LOAD(y + v * VW);
+            yv = V_FMA(mn, xs, yv);
+            yv = V_FMA(d, acc[b * HV + v], yv);
+            V_STORE(y + v * VW, yv);
+        }
+    }
+}
+#endif
+
 void KERNEL_NAME(const si4_matrix *m, const si4_acts *a, int row0, int row1, int g0, int g1, float *ybuf) {
     const int B = a->batch;
     for (int b = 0; b < B; b++) {
@@ -159,6 +233,29 @@ void KERNEL_NAME(const si4_matrix *m, const si4_acts *a, int row0, int row1, int
             }
             continue;
         }
+#ifdef UNPACKED_ROWS
+        float *qb = B > PASS_MAX ? unpacked_scratch((size_t)(a->goff[g + 1] - a->goff[g]) * (32 + B)) : NULL;
+        if (qb) { /* the codes unpacked once per block, x transposed once per group (see half_unpacked) */
+            float *xt = qb + (size_t)(a->goff[g + 1] - a->goff[g]) * 32;
+            for (int i = a->goff[g]; i < a->goff[g + 1]; i++)
+                for (int b = 0; b < B; b++) xt[(size_t)(i - a->goff[g]) * B + b] = a->xv[(size_t)b * a->xv_stride + i];
+            for (int row = row0; row < row1; row += 32) {
+                unpack_block(m, a, g, row, plan_prefetch(a, g, next, g1, row, row0, row1, pf_rows), qb);
+                for (int h = 0; h < 2; h++)
+                    for (int b0 = 0; b0 < B; b0 += UNPACKED_ROWS) {
+                        switch (B - b0 < UNPACKED_ROWS ? B - b0 : UNPACKED_ROWS) {
+                        case 1: half_unpacked(m, a, g, row + 16 * h, ybuf, 1, b0, qb + 16 * h, xt); break;
+                        case 2: half_unpacked(m, a, g, row + 16 * h, ybuf, 2, b0, qb + 16 * h, xt); break;
+                        case 3: half_unpacked(m, a, g, row + 16 * h, ybuf, 3, b0, qb + 16 * h, xt); break;
+                        case 4: half_unpacked(m, a, g, row + 16 * h, ybuf, 4, b0, qb + 16 * h, xt); break;
+                        case 5: half_unpacked(m, a, g, row + 16 * h, ybuf, 5, b0, qb + 16 * h, xt); break;
+                        default: half_unpacked(m, a, g, row + 16 * h, ybuf, UNPACKED_ROWS, b0, qb + 16 * h, xt); break;
+                        }
+                    }
+            }
+            continue;
+        }
+#endif
         /* batch: 32-row blocks, the rows of x in passes of up to PASS_MAX; the block's code
          * bytes are read from memory by the first pass and from L1 by the others. */
         const prefetch_t none = {0, 0, 0};
