@@ -51,11 +51,30 @@ ALWAYS_INLINE void load_factors(const si4_matrix *m, int g, int row, vf *d, vf *
     }
 }
 
+/* Group g's sums into y: rows b0 .. b0 + BB - 1 of x, NV vectors of W's rows from `row` (acc[b NV + v]):
+ * y += m xs + d acc, in this order on every path. */
+ALWAYS_INLINE void add_group(const si4_matrix *m, const si4_acts *a, int g, int row, float *ybuf, const int BB,
+                             int b0, const int NV, const vf *acc) {
+#pragma GCC unroll 8
+    for (int b = 0; b < BB; b++) {
+        const vf xs = V_SET1(a->xs[(size_t)g * a->batch + b0 + b]);
+        float *y = ybuf + (size_t)(b0 + b) * m->npad + row;
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v++) {
+            vf d, mn;
+            load_factors(m, g, row + v * VW, &d, &mn);
+            vf yv = V_LOAD(y + v * VW);
+            yv = V_FMA(mn, xs, yv);
+            yv = V_FMA(d, acc[b * NV + v], yv);
+            V_STORE(y + v * VW, yv);
+        }
+    }
+}
+
 /* One row block (NC chunks of 32 rows starting at `row`) of group g, for batch rows b0 .. b0+BB-1. */
 ALWAYS_INLINE void block(const si4_matrix *m, const si4_acts *a, int g, int row, float *ybuf,
                          const int BB, const int b0, const int NC, const prefetch_t pf) {
     const int NV = NC * CV;
-    const int B = a->batch;
     vf acc[MAX_ACC];
 #pragma GCC unroll 16
     for (int v = 0; v < BB * NV; v++) acc[v] = V_ZERO();
@@ -86,21 +105,7 @@ ALWAYS_INLINE void block(const si4_matrix *m, const si4_acts *a, int g, int row,
         }
     }
 
-    const int npad = m->npad;
-#pragma GCC unroll 8
-    for (int b = 0; b < BB; b++) {
-        const vf xs = V_SET1(a->xs[(size_t)g * B + b0 + b]);
-        float *y = ybuf + (size_t)(b0 + b) * npad + row;
-#pragma GCC unroll 16
-        for (int v = 0; v < NV; v++) {
-            vf d, mn;
-            load_factors(m, g, row + v * VW, &d, &mn);
-            vf yv = V_LOAD(y + v * VW);
-            yv = V_FMA(mn, xs, yv);
-            yv = V_FMA(d, acc[b * NV + v], yv);
-            V_STORE(y + v * VW, yv);
-        }
-    }
+    add_group(m, a, g, row, ybuf, BB, b0, NV, acc);
 }
 
 /* The software prefetch of a row block at `row`: each column's run pf_rows rows further down,
@@ -177,20 +182,7 @@ ALWAYS_INLINE void half_unpacked(const si4_matrix *m, const si4_acts *a, int g, 
             for (int v = 0; v < HV; v++) acc[b * HV + v] = V_FMA(w[v], xb, acc[b * HV + v]);
         }
     }
-#pragma GCC unroll 8
-    for (int b = 0; b < BB; b++) {
-        const vf xs = V_SET1(a->xs[(size_t)g * B + b0 + b]);
-        float *y = ybuf + (size_t)(b0 + b) * m->npad + row;
-#pragma GCC unroll 4
-        for (int v = 0; v < HV; v++) {
-            vf d, mn;
-            load_factors(m, g, row + v * VW, &d, &mn);
-            vf yv = V_LOAD(y + v * VW);
-            yv = V_FMA(mn, xs, yv);
-            yv = V_FMA(d, acc[b * HV + v], yv);
-            V_STORE(y + v * VW, yv);
-        }
-    }
+    add_group(m, a, g, row, ybuf, BB, b0, HV, acc);
 }
 #endif
 
