@@ -18,9 +18,10 @@ Scenarios:
            thresholds is calibrated first (cached)
   grammar  constrained decoding (a nested JSON schema) against the same engine free, equal
            token counts, batch 1 and 8, per backend in --backends
-  kernels  the native kernels' cost curve per GGUF type: a call of 1, 2, 4, 8, 16, 64 rows
-           against one row, on a Qwen2.5-1.5B layer's shapes, one thread (--threads), the
-           kernel this CPU runs (--kernel to pick another); --types to choose types
+  kernels  the native kernels' cost curve per GGUF type (and INT4, llmlocal's own 4-bit rows): a
+           call of 1, 2, 4, 8, 16, 64 rows against one row, on a Qwen2.5-1.5B layer's shapes,
+           one thread (--threads), the kernel this CPU runs (--kernel to pick another); --types
+           to choose types
 
 Examples:
 
@@ -146,10 +147,10 @@ def run(args: argparse.Namespace) -> int:
 
         if not runtime.built():
             raise LLMLocalError("The native kernels are not built in this install: reinstall llmlocal with a C compiler.")
-        types = [t.strip().upper() for t in (args.types or ",".join(bk.TYPES)).split(",") if t.strip()]
-        unknown = [t for t in types if t not in bk.TYPES]
+        types = [t.strip().upper() for t in (args.types or ",".join(bk.ALL_TYPES)).split(",") if t.strip()]
+        unknown = [t for t in types if t not in bk.ALL_TYPES]
         if unknown:
-            raise LLMLocalError(f"Unknown type {', '.join(unknown)} for --types: choose from {', '.join(bk.TYPES)}.")
+            raise LLMLocalError(f"Unknown type {', '.join(unknown)} for --types: choose from {', '.join(bk.ALL_TYPES)}.")
         if args.kernel is not None and args.kernel not in bk.KERNELS:
             raise LLMLocalError(f"Unknown kernel '{args.kernel}': choose from {', '.join(bk.KERNELS)}.")
         try:

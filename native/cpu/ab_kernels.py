@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .bench_kernels import KERNELS, TYPES
+from .bench_kernels import ALL_TYPES, KERNELS
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = f"{__package__}._kernels"
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="a git ref (built once, cached) or a built _kernels*.so")
     p.add_argument("--new", default=None, help="the same (default: this checkout's build)")
-    p.add_argument("--types", default="Q4_K,Q6_K", help=f"comma-separated, of {','.join(TYPES)}")
+    p.add_argument("--types", default="Q4_K,Q6_K", help=f"comma-separated, of {','.join(ALL_TYPES)}")
     p.add_argument("--rows", default="1,4,16,64")
     p.add_argument("--kernel", default=None, choices=KERNELS)
     p.add_argument("--threads", type=int, default=1)

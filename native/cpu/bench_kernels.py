@@ -3,6 +3,7 @@
     python -m llmlocal.native.cpu.bench_kernels                 # every type, this CPU's kernel
     python -m llmlocal.native.cpu.bench_kernels --kernel avx2   # the plain AVX2 kernel
     python -m llmlocal.native.cpu.bench_kernels --types Q4_K,Q6_K --threads 2 --json
+    python -m llmlocal.native.cpu.bench_kernels --types INT4 --kernel avx2   # llmlocal's own 4-bit rows
     llmlocal bench kernels --json                                       # the same, from the CLI
 
 Speculative verification, batched decoding and prefill compute several rows of x per weight
@@ -34,12 +35,16 @@ from typing import Any
 
 import numpy as np
 
-from .linear import QuantLinear
+from .linear import QuantLinear, SparseInt4Linear
 from .qlayout import FORMATS, QuantRows
 from .runtime import kernels
 
 ROWS = (1, 2, 4, 8, 16, 64)
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0")
+# llmlocal's own 4-bit rows (the starter's format, and every file of 4-bit types only), through
+# the INT4 kernel with float32 activations (`SparseInt4Linear`); 64 rows are 8 calls of 8
+INT4 = "INT4"
+ALL_TYPES = TYPES + (INT4,)
 # (name, K in, N out): one layer of Qwen2.5-1.5B (its q/k/v and gate/up fused as the engine runs them)
 LAYER_1_5B = (("qkv", 1536, 2048), ("o", 1536, 1536), ("gate_up", 1536, 17920), ("down", 8960, 1536))
 KERNELS = ("scalar", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx")
@@ -87,11 +92,16 @@ def use_kernel(name: str | None) -> str:
     return got
 
 
-def layer(qtype: int, rng: np.random.Generator) -> list[QuantLinear]:
-    return [QuantLinear([random_rows(qtype, n, k, rng)], interleaved=True) for _, k, n in LAYER_1_5B]
+def layer(type_name: str, rng: np.random.Generator) -> list[QuantLinear] | list[SparseInt4Linear]:
+    if type_name == INT4:
+        return [SparseInt4Linear.from_codes(rng.integers(0, 16, (n, k), dtype=np.uint8),
+                                            rng.uniform(0.005, 0.02, (n, k // 32)).astype(np.float32),
+                                            rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32))
+                for _, k, n in LAYER_1_5B]
+    return [QuantLinear([random_rows(_type_id(type_name), n, k, rng)], interleaved=True) for _, k, n in LAYER_1_5B]
 
 
-def time_rows(layers: list[list[QuantLinear]], rows: int, repeats: int, rng: np.random.Generator,
+def time_rows(layers: list[list[QuantLinear]] | list[list[SparseInt4Linear]], rows: int, repeats: int, rng: np.random.Generator,
               stat: str = "median") -> float:
     """Seconds of one layer's four calls with ``rows`` rows of x, cycling through ``layers``: the
     median over ``repeats`` passes, or with ``stat="min"`` the fastest (A/B runs on a shared host)."""
@@ -120,10 +130,9 @@ def bench_kernels(types: list[str], rows: tuple[int, ...] = ROWS, kernel: str | 
                            "shapes": "one Qwen2.5-1.5B layer: " + ", ".join(f"{p} {k}->{n}" for p, k, n in LAYER_1_5B),
                            "kernels": {}}
     for type_name in types:
-        qtype = _type_id(type_name)
-        first = layer(qtype, rng)
+        first = layer(type_name, rng)
         per_layer = sum(lin.weight_bytes() for lin in first)
-        copies = [first] + [layer(qtype, rng) for _ in range(max(0, working_set_mb * 2**20 // per_layer - 1))]
+        copies = [first] + [layer(type_name, rng) for _ in range(max(0, working_set_mb * 2**20 // per_layer - 1))]
         secs = [time_rows(copies, r, repeats, rng, stat) for r in rows]
         out["kernels"][type_name] = {
             "rows": list(rows),
@@ -171,7 +180,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmlocal.native.cpu.bench_kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--types", default=",".join(TYPES), help=f"comma-separated (default: {','.join(TYPES)})")
+    p.add_argument("--types", default=",".join(ALL_TYPES), help=f"comma-separated (default: {','.join(ALL_TYPES)})")
     p.add_argument("--kernel", default=None, choices=KERNELS, help="the kernel variant (default: the engine's)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--working-set-mb", type=int, default=512)

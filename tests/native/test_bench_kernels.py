@@ -31,7 +31,7 @@ def test_the_curve_is_consistent_for_every_type_and_kernel_here() -> None:
     kernels = ["scalar"] + [k for k in bk.KERNELS[1:] if _runs(k)]
     try:
         for kernel in kernels:
-            result = bk.bench_kernels(list(bk.TYPES) if kernel == before else ["Q4_K"], rows=(1, 3), kernel=kernel,
+            result = bk.bench_kernels(list(bk.ALL_TYPES) if kernel == before else ["Q4_K"], rows=(1, 3), kernel=kernel,
                                       working_set_mb=1, repeats=1)
             assert result["kernel"] == kernel
             for name, k in result["kernels"].items():
