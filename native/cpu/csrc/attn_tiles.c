@@ -121,15 +121,6 @@ static _Thread_local float *t_s;
 static _Thread_local uint16_t *t_p;
 static _Thread_local size_t t_s_n, t_p_n;
 
-static int reserve(void **p, size_t *have, size_t need) {
-    if (*have >= need) return 0;
-    free(*p);
-    *have = 0;
-    if (!(*p = aligned_alloc(64, (need + 63) / 64 * 64))) return -1;
-    *have = need;
-    return 0;
-}
-
 /* Which of columns c .. c + 15 lie in [a, b). */
 static inline __mmask16 keys_in(int c, int a, int b) {
     if (c >= a && c + 16 <= b) return 0xffff;
@@ -254,7 +245,7 @@ static void run_attn(void *arg, int part, int n_parts) {
     (void)part, (void)n_parts;
     attn_job *j = arg;
     const int tiles = (j->T + 15) / 16, ncol_max = 32 * j->vb32;
-    if (reserve((void **)&t_s, &t_s_n, (size_t)16 * ncol_max * 4) || reserve((void **)&t_p, &t_p_n, (size_t)16 * ncol_max * 2))
+    if (si4_reserve((void **)&t_s, &t_s_n, (size_t)16 * ncol_max * 4) || si4_reserve((void **)&t_p, &t_p_n, (size_t)16 * ncol_max * 2))
         return; /* the other threads take its tiles */
     configure();
     for (int w; (w = atomic_fetch_add(&j->next, 1)) < j->H * tiles;) {

@@ -24,8 +24,6 @@
  * prefetched `si4_prefetch_ahead` bytes ahead, continuing into the next group's runs near the
  * end (2x the single-thread bandwidth from DRAM on the Llama-3.2-1B shapes).
  */
-#include <stdlib.h>
-
 #include "sparse_int4.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -128,18 +126,12 @@ ALWAYS_INLINE prefetch_t plan_prefetch(const si4_acts *a, int g, int next, int g
 }
 
 #ifdef UNPACKED_ROWS
-/* A thread's buffer of `n` floats for a block's unpacked codes (grown as needed; NULL when out of
- * memory: the passes then unpack the codes themselves). */
+/* A thread's buffer of `n` floats for a block's unpacked codes (NULL when out of memory: the
+ * passes then unpack the codes themselves). */
 static float *unpacked_scratch(size_t n) {
-    static _Thread_local float *buf;
+    static _Thread_local void *buf;
     static _Thread_local size_t have;
-    if (n > have) {
-        free(buf);
-        have = 0;
-        if (!(buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))) return NULL;
-        have = n;
-    }
-    return buf;
+    return si4_reserve(&buf, &have, n * sizeof(float)) ? NULL : buf;
 }
 
 /* The codes of group g's kept columns in the 32-row block at `row`, as floats: column i - i0's

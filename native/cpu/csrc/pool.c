@@ -201,3 +201,12 @@ void si4_pool_run(si4_task_fn fn, void *arg, int n_parts) {
         }
     }
 }
+
+int si4_reserve(void **p, size_t *have, size_t need) {
+    if (*have >= need) return 0;
+    free(*p);
+    *have = 0;
+    if (!(*p = aligned_alloc(64, (need + 63) / 64 * 64))) return -1;
+    *have = need;
+    return 0;
+}

@@ -201,15 +201,6 @@ static _Thread_local uint16_t *t_panels; /* a block's panels over one block of K
 static _Thread_local float *t_acc;       /* its sums between blocks of K */
 static _Thread_local size_t t_panels_n, t_acc_n;
 
-static int reserve(void **p, size_t *have, size_t need) {
-    if (*have >= need) return 0;
-    free(*p);
-    *have = 0;
-    if (!(*p = aligned_alloc(64, need))) return -1;
-    *have = need;
-    return 0;
-}
-
 /* Blocks of chunks_per_block chunks of W's rows, taken in turn: for each block of K (all of K
  * when it is short), the block's panels over it are dequantized, then every 32 rows of x run
  * against them. x is read once per block of W's rows and K: a long K (the MLP's down
@@ -222,8 +213,8 @@ static void run_tiles(void *arg, int part, int n_parts) {
     const size_t panel = (size_t)SK * 2 * 16 * 32; /* bfloat16 values per chunk and block of K */
     const int chunks = m->npad / 32, bpad = (j->batch + 15) / 16 * 16;
     const size_t acc_stride = (size_t)per * 32;
-    if (reserve((void **)&t_panels, &t_panels_n, panel * (size_t)per * 2) ||
-        (SK < S && reserve((void **)&t_acc, &t_acc_n, (size_t)bpad * acc_stride * 4)))
+    if (si4_reserve((void **)&t_panels, &t_panels_n, panel * (size_t)per * 2) ||
+        (SK < S && si4_reserve((void **)&t_acc, &t_acc_n, (size_t)bpad * acc_stride * 4)))
         return; /* the other threads take its blocks */
     float ct[16 * 16] __attribute__((aligned(64)));
     float *y = j->y;

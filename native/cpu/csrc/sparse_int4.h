@@ -157,5 +157,8 @@ int si4_pool_resize(int n_threads);      /* 0 on success */
 void si4_pool_set_spin_us(int us);
 int si4_pool_spin_us(void);
 void si4_pool_run(si4_task_fn fn, void *arg, int n_parts);
+/* A thread's scratch: *p grown to at least `need` bytes, 64-byte aligned, its old contents not
+ * kept (*have: its size); 0, or -1 out of memory (*p then NULL). */
+int si4_reserve(void **p, size_t *have, size_t need);
 
 #endif
