@@ -296,35 +296,34 @@ def _median_stats(stats: list[Stats], by: str = "decode_tok_s") -> Stats:
     return ordered[len(ordered) // 2]
 
 
-def _batch_requests(n: int, seed: int = 0) -> list[tuple[str, int]]:
+def _batch_requests(n: int, seed: int = 0, text_seed: int = 0) -> list[tuple[str, int]]:
+    """n (prompt, max_tokens): lengths from ``seed``; the words from ``text_seed`` too (the same
+    lengths, another text)."""
     rng = random.Random(seed)
-    return [(_prompt(rng.randint(10, 200), seed + i), rng.choice([16, 32, 64, 128])) for i in range(n)]
+    return [(_prompt(rng.randint(10, 200), seed + i + 1000 * text_seed), rng.choice([16, 32, 64, 128]))
+            for i in range(n)]
 
 
-def bench_batch(model: str | None, requests: int = 16, n_ctx: int = 2048, baseline: str = "llamacpp") -> dict[str, Any]:
+def bench_batch(model: str | None, requests: int = 16, n_ctx: int = 2048, baseline: str = "llamacpp",
+                rounds: int = 1) -> dict[str, Any]:
     """The paged engine serving N requests at once against ``baseline`` serving them one after
     another: llama.cpp, or the paged engine itself (batch N against batch 1, where llama.cpp is
-    not installed: the GPU check)."""
+    not installed: the GPU check). Each round the engines take turns, each loaded on its own
+    (no two in one process), on requests of the same lengths and a new text, so that no round
+    finds its prompts in a cache a run before it filled (the paged baseline's requests and the
+    batch's differ in text too: one engine runs both)."""
     if baseline not in ("llamacpp", "paged"):
         raise ValueError(f"baseline must be llamacpp or paged, not {baseline!r}")
-    work = _batch_requests(requests)
-    total_out = sum(n for _, n in work)
+    total_out = sum(n for _, n in _batch_requests(requests))
+    warm = [{"role": "user", "content": "warm up"}]
+    paged_plan = Plan(model=model, backend="paged", n_ctx=n_ctx, max_batch=max(requests, 1))
 
-    def one_after_another(engine: Engine) -> tuple[int, float]:
+    def one_after_another(engine: Engine, work: list[tuple[str, int]]) -> tuple[int, float]:
         t = time.perf_counter()
         produced = sum(_run(engine, [{"role": "user", "content": p}], n).stats.completion_tokens for p, n in work)
         return produced, time.perf_counter() - t
 
-    if baseline == "llamacpp":
-        with Engine.load(Plan(model=model, backend="llamacpp", n_ctx=n_ctx)) as engine:
-            _run(engine, [{"role": "user", "content": "warm up"}], 4)
-            produced, sequential_s = one_after_another(engine)
-
-    with Engine.load(Plan(model=model, backend="paged", n_ctx=n_ctx, max_batch=max(requests, 1))) as engine:
-        _run(engine, [{"role": "user", "content": "warm up"}], 4)
-        if baseline == "paged":
-            produced, sequential_s = one_after_another(engine)
-        waste: list[float] = []
+    def at_once(engine: Engine, work: list[tuple[str, int]], waste: list[float]) -> tuple[int, float]:
         stop = threading.Event()
 
         def sample_waste() -> None:
@@ -349,20 +348,40 @@ def bench_batch(model: str | None, requests: int = 16, n_ctx: int = 2048, baseli
             th.start()
         for th in threads:
             th.join()
-        paged_s = time.perf_counter() - t
+        elapsed = time.perf_counter() - t
         stop.set()
         sampler.join()
+        return sum(results), elapsed
 
-    paged_tok_s = sum(results) / paged_s
-    sequential_tok_s = produced / sequential_s
+    paged_speeds: list[float] = []
+    base_speeds: list[float] = []
+    waste: list[float] = []
+    for r in range(rounds):
+        together = _batch_requests(requests, text_seed=2 * r)
+        # llama.cpp runs in a process of its own: the same texts; the paged baseline, other texts
+        alone = together if baseline == "llamacpp" else _batch_requests(requests, text_seed=2 * r + 1)
+        if baseline == "llamacpp":
+            with Engine.load(Plan(model=model, backend="llamacpp", n_ctx=n_ctx)) as engine:
+                _run(engine, warm, 4)
+                produced, seconds = one_after_another(engine, alone)
+                base_speeds.append(produced / seconds)
+        with Engine.load(paged_plan) as engine:
+            _run(engine, warm, 4)
+            if baseline == "paged":
+                produced, seconds = one_after_another(engine, alone)
+                base_speeds.append(produced / seconds)
+            produced, seconds = at_once(engine, together, waste)
+            paged_speeds.append(produced / seconds)
+    ratios = [p / b for p, b in zip(paged_speeds, base_speeds)]
     return {
         "scenario": "batch",
         "model": model or "smollm2-135m",
         "requests": requests,
         "output_tokens": total_out,
-        "paged_tok_s": paged_tok_s,
-        "llamacpp_tok_s" if baseline == "llamacpp" else "paged_batch1_tok_s": sequential_tok_s,
-        "speedup": paged_tok_s / sequential_tok_s,
+        "paged_tok_s": statistics.median(paged_speeds),
+        "llamacpp_tok_s" if baseline == "llamacpp" else "paged_batch1_tok_s": statistics.median(base_speeds),
+        "speedup": statistics.median(ratios),
+        "speedup_per_round": [round(x, 3) for x in ratios],
         "kv_waste": statistics.fmean(waste) if waste else 0.0,
     }
 

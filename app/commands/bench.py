@@ -68,8 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="decode: KV cache types to compare, comma-separated, each backend once per type "
                         "(f16, q8_0, ...; default: each backend's own)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="decode, prefill, resume, draft, spec, grammar: rounds in which the backends (spec: the target alone, with the "
-                        "draft, with n-gram lookup; grammar: constrained and free) take turns (default: 3, spec 1)")
+                   help="decode, batch, prefill, resume, draft, spec, grammar: rounds in which the backends (spec: the "
+                        "target alone, with the draft, with n-gram lookup; grammar: constrained and free) take turns "
+                        "(default: 3, batch and spec 1)")
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.scenario == "batch":
         # without llamacpp in --backends: the paged engine one request at a time is the baseline
         baseline = "llamacpp" if "llamacpp" in [b.strip() for b in args.backends.split(",")] else "paged"
-        result = bench.bench_batch(args.model, requests=args.requests, baseline=baseline)
+        result = bench.bench_batch(args.model, requests=args.requests, baseline=baseline, rounds=args.rounds or 1)
     elif args.scenario == "prefix":
         result = bench.bench_prefix(args.model)
     elif args.scenario == "prefill":

@@ -1,4 +1,4 @@
-"""The benchmark code behind the README's figures (`bench_spec`, `bench_sparse`, decode), end
+"""The benchmark code behind the README's figures (`bench_spec`, `bench_sparse`, decode, batch), end
 to end on the starter at toy sizes: every JSON field present and finite, and the figures
 consistent with each other (a speedup is the ratio of the two tok/s it names, a share is in
 [0, 1], the token counts are those asked for). Not their speed: tests assert no clock."""
@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
-from llmlocal.app.bench.scenarios import bench_decode
+from llmlocal.app.bench.scenarios import _batch_requests, bench_batch, bench_decode
 from llmlocal.app.bench.sparse import bench_sparse
 from llmlocal.app.bench.spec import bench_spec
 
@@ -81,3 +82,20 @@ def test_bench_decode_figures_are_whole_and_consistent() -> None:
     ratio = figures["paged"]["decode_tok_s"] / figures["llamacpp"]["decode_tok_s"]
     assert figures["paged"]["decode_vs_llamacpp_per_round"] == [round(ratio, 3)]
     assert figures["paged"]["decode_vs_llamacpp"] == round(ratio, 3)
+
+
+def test_bench_batch_rounds_take_turns_on_new_texts() -> None:
+    """Each round's figures are kept and the speedup is their median; every round asks requests
+    of the same lengths in another text (a round would otherwise find its prompts in the prefix
+    cache the round before it filled, and the paged baseline the batch's)."""
+    out = bench_batch(None, requests=2, baseline="paged", rounds=2)
+    assert json.loads(json.dumps(out)) == out
+    assert (out["scenario"], out["model"], out["requests"]) == ("batch", "smollm2-135m", 2)
+    for key in ("paged_tok_s", "paged_batch1_tok_s", "speedup"):
+        assert positive(out[key]), (key, out[key])
+    assert len(out["speedup_per_round"]) == 2 and all(positive(r) for r in out["speedup_per_round"])
+    assert out["speedup"] == pytest.approx(statistics.median(out["speedup_per_round"]), abs=1e-3)
+    first, second = _batch_requests(4, text_seed=0), _batch_requests(4, text_seed=1)
+    assert [len(p.split()) for p, _ in first] == [len(p.split()) for p, _ in second]
+    assert [n for _, n in first] == [n for _, n in second]
+    assert all(a != b for (a, _), (b, _) in zip(first, second))
