@@ -39,8 +39,9 @@ def decodes_faster_natively(spec: ModelSpec, simd: frozenset[str]) -> bool:
 
 
 # CPU features on which the native kernels decode at parity with llama.cpp at its best setting:
-# AVX2 with FMA and F16C, the kernels' AVX2 path (a 2-vCPU AMD EPYC, Zen 3: Qwen2.5-Coder-1.5B
-# Q4_K_M 1.07x, the 0.5B 1.02x, a 1,037-token prefill 1.07x). There the paged engine is worth its
+# AVX2 with FMA and F16C, the kernels' AVX2 path (a 2-vCPU AMD EPYC, Zen 3, 2026-11-27:
+# Qwen2.5-Coder-1.5B Q4_K_M 0.98x, the 0.5B 1.03x; a 1,037-token prefill 1.37x, 16 concurrent
+# requests 1.92x llama.cpp one after another). There the paged engine is worth its
 # slower load for its prefix cache: with the disk tier on, a chat's history or a server's system
 # prompt is never prefilled twice, across restarts too, which llama.cpp does not do.
 PARITY_ON = frozenset({"avx2", "fma", "f16c"})
