@@ -17,6 +17,9 @@ from llmlocal.engine.model.loader import load_gguf, load_hf, quantize_int4
 from llmlocal.models import resolve, spec_from_gguf
 
 NEAR_TIE = 0.1  # nats: where two implementations may order the top two candidates either way
+# llama.cpp's own near ties are wider, and depend on the kernels it picks for the CPU: with its
+# repacked AVX2 kernels on a Zen 3 host its top-1 differed from the exact one at a margin of 0.105
+LLAMA_CPP_NEAR_TIE = 0.15
 
 CPU = torch.device("cpu")
 
@@ -225,7 +228,7 @@ def test_starter_top1_agrees_with_llama_cpp(weights: str, starter_references: di
     agree = float((ours.argmax(-1) == r["llama_cpp"].argmax(-1)).mean())
     assert agree >= 0.95, agree
     # and llama.cpp itself, judged by the exact reference: a differing top-1 only at near ties
-    assert_top1_only_at_near_ties(r["llama_cpp"], r["exact"], "llama.cpp")
+    assert_top1_only_at_near_ties(r["llama_cpp"], r["exact"], "llama.cpp", tie=LLAMA_CPP_NEAR_TIE)
 
 
 AUTO_HEAD_TIES = ("the INT8 output head computes with bf16 activations (torch's _weight_int8pack_mm on "
