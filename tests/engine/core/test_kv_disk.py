@@ -17,6 +17,7 @@ from llmlocal.engine import DoneEvent, Engine, Plan, Request, SamplingParams
 from llmlocal.engine.core.block_manager import FullBlock, prefix_blocks
 from llmlocal.engine.core.kv_disk import HEADER, DiskTier, namespace, scan
 from llmlocal.engine.core import kv_disk
+from llmlocal.native.cpu import runtime
 
 BS = 4
 NBYTES = 256
@@ -251,13 +252,22 @@ def test_greedy_tokens_are_the_same_cold_warm_in_memory_and_warm_from_disk(tmp_p
     with Engine.load(plan(tmp_path, kv_dtype=kv_dtype)) as e:
         cold = greedy(e, PROMPT)
         warm_memory = greedy(e, PROMPT)
+        # whether a resumed prompt's tail is computed as the cold prompt's rows were (the
+        # bfloat16 tiles and the GGUF types' kernels, ModelRunner.prompt_tiles) or as decode rows
+        runner = e.backend.runner  # type: ignore[attr-defined]
+        as_prompt_rows = runner.prompt_tiles and runtime.qmat_tiles()
     with Engine.load(plan(tmp_path, kv_dtype=kv_dtype)) as e:  # a new process's engine: only the disk has the blocks
         warm_disk = greedy(e, PROMPT)
         assert e.backend.disk.counts["read"] > 0  # type: ignore[attr-defined]
     assert cold.stats.cached_prompt_tokens == 0
     assert warm_memory.stats.cached_prompt_tokens > 0
     assert warm_disk.stats.cached_prompt_tokens == warm_memory.stats.cached_prompt_tokens
-    assert without.text == cold.text == warm_memory.text == warm_disk.text
+    assert without.text == cold.text  # two cold runs
+    assert warm_memory.text == warm_disk.text  # the same blocks, from memory or from disk
+    if cold.text != warm_memory.text and not as_prompt_rows:
+        pytest.xfail("a resumed prompt's tail is decode rows here (native attention), the cold prompt's rows "
+                     "were prompt rows (torch's attention): a near tie may flip (seen with q8_0 on a Zen 3 host)")
+    assert cold.text == warm_memory.text
 
 
 def test_a_reply_is_kept_too_so_the_next_turn_after_a_restart_starts_cached(tmp_path: Path) -> None:
