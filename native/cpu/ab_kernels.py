@@ -30,15 +30,21 @@ from .bench_kernels import ALL_TYPES, KERNELS
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = f"{__package__}._kernels"
-_RUNNER = """
-import importlib.machinery, importlib.util, json, sys
-path, args = sys.argv[1], json.loads(sys.argv[2])
+# A child process's first lines: the extension built at sys.argv[1] imported as the module (the
+# Python wrappers then use it), for the harnesses that run a build in a process of its own.
+LOAD_BUILD = f"""
+import importlib.machinery, importlib.util, sys
+path = sys.argv[1]
 if path:
-    loader = importlib.machinery.ExtensionFileLoader({module!r}, path)
-    spec = importlib.util.spec_from_file_location({module!r}, path, loader=loader)
+    loader = importlib.machinery.ExtensionFileLoader({MODULE!r}, path)
+    spec = importlib.util.spec_from_file_location({MODULE!r}, path, loader=loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
-    sys.modules[{module!r}] = mod
+    sys.modules[{MODULE!r}] = mod
+"""
+_RUNNER = LOAD_BUILD + """
+import json
+args = json.loads(sys.argv[2])
 from {package}.bench_kernels import bench_kernels
 print(json.dumps(bench_kernels(args["types"], rows=tuple(args["rows"]), kernel=args["kernel"],
                                threads=args["threads"], working_set_mb=args["mb"], repeats=args["repeats"],
@@ -90,7 +96,7 @@ def resolve(build: str) -> str:
 
 
 def run_one(path: str, args: dict) -> dict:
-    code = _RUNNER.format(module=MODULE, package=__package__)
+    code = _RUNNER.format(package=__package__)
     done = subprocess.run([sys.executable, "-c", code, path, json.dumps(args)], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the build at {path} failed:\n{done.stderr[-2000:]}")

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 
-from .ab_kernels import MODULE, current_build, resolve
+from .ab_kernels import LOAD_BUILD, current_build, resolve
 from .bench_kernels import ALL_TYPES, INT4, KERNELS, LAYER_1_5B
 
 # the function each kernel variant runs in (the GGUF types; INT4's rows run si4_kernel_*)
@@ -30,16 +30,10 @@ QM_FUNCTION = {"scalar": "qm_kernel_scalar", "avx2": "qm_kernel_avx2", "avxvnni"
 INT4_FUNCTION = {"scalar": "si4_kernel_scalar", "avx2": "si4_kernel_avx2", "avxvnni": "si4_kernel_avx2",
                  "avx512vnni": "si4_kernel_avx512", "avx512vnni-amx": "si4_kernel_avx512"}
 
-_CHILD = """
-import importlib.machinery, importlib.util, sys
+_CHILD = LOAD_BUILD + """
 import numpy as np
-path, type_name, kernel, rows, calls = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+type_name, kernel, rows, calls = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 parts = sys.argv[6].split(",")
-loader = importlib.machinery.ExtensionFileLoader({module!r}, path)
-spec = importlib.util.spec_from_file_location({module!r}, path, loader=loader)
-mod = importlib.util.module_from_spec(spec)
-loader.exec_module(mod)
-sys.modules[{module!r}] = mod
 from {package}.bench_kernels import LAYER_1_5B, kernels, layer, use_kernel
 kernels().set_num_threads(1)
 use_kernel(kernel)
@@ -60,7 +54,7 @@ def count(build: str, type_name: str, kernel: str, rows: int, calls: int, parts:
     """Instructions callgrind counts inside the kernel's function over ``calls`` calls of the
     layer's projections named in ``parts``."""
     function = (INT4_FUNCTION if type_name == INT4 else QM_FUNCTION)[kernel]
-    code = _CHILD.format(module=MODULE, package=__package__)
+    code = _CHILD.format(package=__package__)
     child = [sys.executable, "-c", code, build, type_name, kernel, str(rows), str(calls), ",".join(parts)]
     done = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
                            f"--toggle-collect={function}", *child], capture_output=True, text=True)
