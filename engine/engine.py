@@ -34,7 +34,7 @@ from .backends.base import Backend, Prompt
 from .model.gguf_parts import save_packing, start_packing
 from .plan import DEFAULT_MAX_CTX, Plan
 from .planning.hardware import simd_features
-from .planning.native_support import paged_pays
+from .planning.native_support import paged_pays, sparse_pays
 from .prompt.chat_template import ChatTemplate, fallback_template, template_source
 from .prompt.tokenizer import start_tokenizer
 from .types import Event, Message, Request
@@ -255,17 +255,19 @@ class Engine:
 
 def _auto_backend(model: ResolvedModel, plan: Plan) -> str:
     """A Hugging Face checkpoint, or a CUDA device: our paged engine. A GGUF on the CPU: the
-    sparse engine when the file carries calibrated activation sparsity (and the native kernels
-    were built), the paged engine where its native kernels decode the file faster than
+    sparse engine when the file carries calibrated activation sparsity where skipping pays on
+    this CPU (native_support.sparse_pays, as the planner prefers; the native kernels built),
+    the paged engine where its native kernels decode the file faster than
     llama.cpp on this CPU, or as fast with the prefix cache's disk tier on (as the planner
     prefers: native_support.paged_pays), else llama.cpp."""
     if model.spec.format != "gguf":
         return "paged"
     if plan.device == "cuda" or (plan.device == "auto" and _cuda_available()):
         return "paged"
-    if model.spec.sparsity is not None and sparse_int4_runtime.built():
+    simd = simd_features()
+    if model.spec.sparsity is not None and sparse_int4_runtime.built() and sparse_pays(model.spec, simd):
         return "sparse"
-    if paged_pays(model.spec, simd_features(), plan.kv_cache_dir is not None):
+    if paged_pays(model.spec, simd, plan.kv_cache_dir is not None):
         return "paged"
     return "llamacpp"
 

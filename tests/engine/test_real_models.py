@@ -140,7 +140,7 @@ def test_sparse_backend_skips_the_down_projection_and_writes_working_code(sparse
     with Engine.load(Plan(model=str(sparse15), n_ctx=1024, device="cpu")) as e:
         assert e.backend_name == "sparse" or column_min_level() > 0.6
         if e.backend_name != "sparse":
-            pytest.skip("no 512-bit column kernels on this CPU: auto runs the file densely")
+            pytest.skip("no 512-bit column kernels on this CPU: auto runs the file densely (sparse_pays)")
         layouts = {name: {m.kernel.packed[0].interleaved for m in ms if isinstance(m, QuantProjection)}
                    for name, ms in e.backend.projections().items()}
         assert layouts == {"attn_qkv": {True}, "attn_output": {True}, "ffn_gate_up": {True}, "ffn_down": {False}}
