@@ -506,6 +506,50 @@ AI void group_sums4_il(const quad_src *p, const int8_t *qx, size_t qs, const int
     __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int i0 = 0; i0 < NQ; i0 += RUN) {
         __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
+#if !QM_VNNI
+        if (IL == 2 && BITS != 8) { /* the whole run in one asm block: GCC copied the sums between
+                                     * registers and kept two on the stack between quads */
+            const uint8_t *w = p->tile + 64 * (size_t)i0;
+            const int8_t *y0 = x0 + 4 * i0, *y1 = x1 + 4 * i0, *y2 = x2 + 4 * i0, *y3 = x3 + 4 * i0;
+            __m256i w0, w1, xt, tt;
+#define QM_Q(I)                                                                                           \
+    "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                \
+    "vmovdqa " #I "*64+32(%[w]), %[w1]\n\t"                                                             \
+    "vpbroadcastd " #I "*4(%[y0]), %[x]\n\t"                                                            \
+    "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                                 \
+    "vpaddw %[t], %[s00], %[s00]\n\t"                                                                  \
+    "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                                 \
+    "vpaddw %[t], %[s01], %[s01]\n\t"                                                                  \
+    "vpbroadcastd " #I "*4(%[y1]), %[x]\n\t"                                                            \
+    "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                                 \
+    "vpaddw %[t], %[s10], %[s10]\n\t"                                                                  \
+    "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                                 \
+    "vpaddw %[t], %[s11], %[s11]\n\t"                                                                  \
+    "vpbroadcastd " #I "*4(%[y2]), %[x]\n\t"                                                            \
+    "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                                 \
+    "vpaddw %[t], %[s20], %[s20]\n\t"                                                                  \
+    "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                                 \
+    "vpaddw %[t], %[s21], %[s21]\n\t"                                                                  \
+    "vpbroadcastd " #I "*4(%[y3]), %[x]\n\t"                                                            \
+    "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                                 \
+    "vpaddw %[t], %[s30], %[s30]\n\t"                                                                  \
+    "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                                 \
+    "vpaddw %[t], %[s31], %[s31]\n\t"
+#define QM_RUN_ASM(BODY)                                                                                  \
+    __asm__(BODY                                                                                          \
+            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),         \
+              [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31), [w0] "=&x"(w0), [w1] "=&x"(w1),          \
+              [x] "=&x"(xt), [t] "=&x"(tt)                                                                \
+            : [w] "r"(w), [y0] "r"(y0), [y1] "r"(y1), [y2] "r"(y2), [y3] "r"(y3)                          \
+            : "memory")
+            if (RUN == 8) QM_RUN_ASM(QM_Q(0) QM_Q(1) QM_Q(2) QM_Q(3) QM_Q(4) QM_Q(5) QM_Q(6) QM_Q(7));
+            else if (RUN == 4) QM_RUN_ASM(QM_Q(0) QM_Q(1) QM_Q(2) QM_Q(3));
+            else if (RUN == 2) QM_RUN_ASM(QM_Q(0) QM_Q(1));
+            else QM_RUN_ASM(QM_Q(0));
+#undef QM_RUN_ASM
+#undef QM_Q
+        } else
+#endif
 #pragma GCC unroll 2
         for (int i = i0; i < i0 + RUN; i++) {
             __m256i W[2];
