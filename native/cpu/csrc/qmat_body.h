@@ -176,6 +176,19 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
  * products q x, |q| <= 2^bits - 1 (Q8_0 through the sign trick: 128), |x| <= 127. */
 #define QUADS_PER_I16(BITS) ((BITS) == 4 ? 8 : (BITS) == 5 ? 4 : (BITS) == 6 ? 2 : 1)
 
+/* AVX2's quad for four rows of x, as asm text (group_sums4_il, qm_mac_peak): the activations
+ * at X0 .. X3 broadcast in turn into %[x], each times the code vectors %[w0], %[w1] by
+ * vpmaddubsw into %[t], added to the int16 sums %[s00] .. %[s31] (row r's in s<r>0, s<r>1). */
+#define QM_ROW_ASM(X, A, B)                                                                   \
+    "vpbroadcastd " X ", %[x]\n\t"                                                            \
+    "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                        \
+    "vpaddw %[t], %[" A "], %[" A "]\n\t"                                                     \
+    "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                        \
+    "vpaddw %[t], %[" B "], %[" B "]\n\t"
+#define QM_QUAD4_ASM(X0, X1, X2, X3)                                                          \
+    QM_ROW_ASM(X0, "s00", "s01") QM_ROW_ASM(X1, "s10", "s11") QM_ROW_ASM(X2, "s20", "s21")   \
+    QM_ROW_ASM(X3, "s30", "s31")
+
 /* acc += the products of the codes W with a quad of activations broadcast in xq: VNNI, each
  * int32 element's four in one vpdpbusd; AVX2, into int16 lanes by vpmaddubsw (the caller widens
  * after each run of QUADS_PER_RUN quads). 8-bit codes are signed, so there |x| * sign(q, x),
@@ -515,26 +528,7 @@ AI void group_sums4_il(const quad_src *p, const int8_t *qx, size_t qs, const int
 #define QM_Q(I)                                                                                           \
     "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                \
     "vmovdqa " #I "*64+32(%[w]), %[w1]\n\t"                                                             \
-    "vpbroadcastd " #I "*4(%[y0]), %[x]\n\t"                                                            \
-    "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                                 \
-    "vpaddw %[t], %[s00], %[s00]\n\t"                                                                  \
-    "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                                 \
-    "vpaddw %[t], %[s01], %[s01]\n\t"                                                                  \
-    "vpbroadcastd " #I "*4(%[y1]), %[x]\n\t"                                                            \
-    "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                                 \
-    "vpaddw %[t], %[s10], %[s10]\n\t"                                                                  \
-    "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                                 \
-    "vpaddw %[t], %[s11], %[s11]\n\t"                                                                  \
-    "vpbroadcastd " #I "*4(%[y2]), %[x]\n\t"                                                            \
-    "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                                 \
-    "vpaddw %[t], %[s20], %[s20]\n\t"                                                                  \
-    "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                                 \
-    "vpaddw %[t], %[s21], %[s21]\n\t"                                                                  \
-    "vpbroadcastd " #I "*4(%[y3]), %[x]\n\t"                                                            \
-    "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                                 \
-    "vpaddw %[t], %[s30], %[s30]\n\t"                                                                  \
-    "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                                 \
-    "vpaddw %[t], %[s31], %[s31]\n\t"
+    QM_QUAD4_ASM(#I "*4(%[y0])", #I "*4(%[y1])", #I "*4(%[y2])", #I "*4(%[y3])")
 #define QM_RUN_ASM(BODY)                                                                                  \
     __asm__(BODY                                                                                          \
             : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),         \
@@ -557,26 +551,7 @@ AI void group_sums4_il(const quad_src *p, const int8_t *qx, size_t qs, const int
 #if !QM_VNNI
             if (BITS != 8) {
                 __m256i xt, tt;
-                __asm__("vpbroadcastd %[m0], %[x]\n\t"
-                        "vpmaddubsw %[x], %[w0], %[t]\n\t"
-                        "vpaddw %[t], %[s00], %[s00]\n\t"
-                        "vpmaddubsw %[x], %[w1], %[t]\n\t"
-                        "vpaddw %[t], %[s01], %[s01]\n\t"
-                        "vpbroadcastd %[m1], %[x]\n\t"
-                        "vpmaddubsw %[x], %[w0], %[t]\n\t"
-                        "vpaddw %[t], %[s10], %[s10]\n\t"
-                        "vpmaddubsw %[x], %[w1], %[t]\n\t"
-                        "vpaddw %[t], %[s11], %[s11]\n\t"
-                        "vpbroadcastd %[m2], %[x]\n\t"
-                        "vpmaddubsw %[x], %[w0], %[t]\n\t"
-                        "vpaddw %[t], %[s20], %[s20]\n\t"
-                        "vpmaddubsw %[x], %[w1], %[t]\n\t"
-                        "vpaddw %[t], %[s21], %[s21]\n\t"
-                        "vpbroadcastd %[m3], %[x]\n\t"
-                        "vpmaddubsw %[x], %[w0], %[t]\n\t"
-                        "vpaddw %[t], %[s30], %[s30]\n\t"
-                        "vpmaddubsw %[x], %[w1], %[t]\n\t"
-                        "vpaddw %[t], %[s31], %[s31]"
+                __asm__(QM_QUAD4_ASM("%[m0]", "%[m1]", "%[m2]", "%[m3]")
                         : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),
                           [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31), [x] "=&x"(xt), [t] "=&x"(tt)
                         : [w0] "x"(W[0]), [w1] "x"(W[1]), [m0] "m"(*(const int32_t *)(x0 + 4 * i)),
@@ -1517,46 +1492,25 @@ long long QM_NAME(qm_mac_peak)(long long iters) {
     (void)sink;
     return iters * 8 * 64;
 #else
-    __m256i acc[8], w[8], x = _mm256_set1_epi32((int)iters | 0x01010101);
+    __m256i acc[8], w[8];
     for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_si256(), w[v] = _mm256_set1_epi8((char)(v + 1));
-#if !QM_VNNI
-    int32_t xm[4] = {(int32_t)iters | 0x01010101, 0x02020202, 0x03030303, 0x04040404};
-    (void)x;
-#endif
+#if QM_VNNI
+    __m256i x = _mm256_set1_epi32((int)iters | 0x01010101);
     for (long long i = 0; i < iters; i++) {
-#if QM_VNNI
         __asm__ volatile("" : "+x"(x));
-#endif
-#if QM_VNNI
         for (int v = 0; v < 8; v++) acc[v] = QM_DPBUSD(acc[v], w[v], x);
+    }
 #else
+    int32_t xm[4] = {(int32_t)iters | 0x01010101, 0x02020202, 0x03030303, 0x04040404};
+    for (long long i = 0; i < iters; i++) {
         __m256i xt, tt;
-        __asm__("vpbroadcastd %[m0], %[x]\n\t"
-                "vpmaddubsw %[x], %[w0], %[t]\n\t"
-                "vpaddw %[t], %[s0], %[s0]\n\t"
-                "vpmaddubsw %[x], %[w1], %[t]\n\t"
-                "vpaddw %[t], %[s1], %[s1]\n\t"
-                "vpbroadcastd %[m1], %[x]\n\t"
-                "vpmaddubsw %[x], %[w0], %[t]\n\t"
-                "vpaddw %[t], %[s2], %[s2]\n\t"
-                "vpmaddubsw %[x], %[w1], %[t]\n\t"
-                "vpaddw %[t], %[s3], %[s3]\n\t"
-                "vpbroadcastd %[m2], %[x]\n\t"
-                "vpmaddubsw %[x], %[w0], %[t]\n\t"
-                "vpaddw %[t], %[s4], %[s4]\n\t"
-                "vpmaddubsw %[x], %[w1], %[t]\n\t"
-                "vpaddw %[t], %[s5], %[s5]\n\t"
-                "vpbroadcastd %[m3], %[x]\n\t"
-                "vpmaddubsw %[x], %[w0], %[t]\n\t"
-                "vpaddw %[t], %[s6], %[s6]\n\t"
-                "vpmaddubsw %[x], %[w1], %[t]\n\t"
-                "vpaddw %[t], %[s7], %[s7]"
-                : [s0] "+x"(acc[0]), [s1] "+x"(acc[1]), [s2] "+x"(acc[2]), [s3] "+x"(acc[3]), [s4] "+x"(acc[4]),
-                  [s5] "+x"(acc[5]), [s6] "+x"(acc[6]), [s7] "+x"(acc[7]), [x] "=&x"(xt), [t] "=&x"(tt)
+        __asm__(QM_QUAD4_ASM("%[m0]", "%[m1]", "%[m2]", "%[m3]")
+                : [s00] "+x"(acc[0]), [s01] "+x"(acc[1]), [s10] "+x"(acc[2]), [s11] "+x"(acc[3]), [s20] "+x"(acc[4]),
+                  [s21] "+x"(acc[5]), [s30] "+x"(acc[6]), [s31] "+x"(acc[7]), [x] "=&x"(xt), [t] "=&x"(tt)
                 : [w0] "x"(w[0]), [w1] "x"(w[1]), [m0] "m"(xm[0]), [m1] "m"(xm[1]), [m2] "m"(xm[2]), [m3] "m"(xm[3]));
         __asm__ volatile("" : "+m"(xm[0]));
-#endif
     }
+#endif
     __m256i s = acc[0];
     for (int v = 1; v < 8; v++) s = _mm256_add_epi32(s, acc[v]);
     volatile int sink = _mm256_extract_epi32(s, 0) + _mm256_extract_epi32(s, 7);
