@@ -1477,7 +1477,7 @@ long long QM_NAME(qm_pass_peak)(long long iters) {
  * L1, vpmaddubsw + vpaddw, 32 multiply-adds each), VNNI vpdpbusd (32, or 64 on 512-bit
  * registers). Returns the multiply-adds done. The empty asm makes x new each round, so nothing
  * is hoisted. (An intrinsic AVX2 version with eight code vectors held 17 vectors live and
- * spilled: it measured 84-95 G MAC/s where the sequence runs at 130 on a Zen 3 thread.) */
+ * spilled: it measured 84-95 G MAC/s where the sequence runs at 113-127 on a Zen 3 thread.) */
 long long QM_NAME(qm_mac_peak)(long long iters) {
 #if QM_ZMM
     __m512i acc[8], w[8], x = _mm512_set1_epi32((int)iters | 0x01010101);
@@ -1501,15 +1501,20 @@ long long QM_NAME(qm_mac_peak)(long long iters) {
         for (int v = 0; v < 8; v++) acc[v] = QM_DPBUSD(acc[v], w[v], x);
     }
 #else
+    /* named sums, not acc[]: with the array GCC stored all eight to the stack every quad, and
+     * the peak read 74-78 G MAC/s on a Zen 3 thread where the sequence runs at 113-127 */
     int32_t xm[4] = {(int32_t)iters | 0x01010101, 0x02020202, 0x03030303, 0x04040404};
+    __m256i s00 = acc[0], s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
+    const __m256i w0 = w[0], w1 = w[1];
     for (long long i = 0; i < iters; i++) {
         __m256i xt, tt;
-        __asm__(QM_QUAD4_ASM("%[m0]", "%[m1]", "%[m2]", "%[m3]")
-                : [s00] "+x"(acc[0]), [s01] "+x"(acc[1]), [s10] "+x"(acc[2]), [s11] "+x"(acc[3]), [s20] "+x"(acc[4]),
-                  [s21] "+x"(acc[5]), [s30] "+x"(acc[6]), [s31] "+x"(acc[7]), [x] "=&x"(xt), [t] "=&x"(tt)
-                : [w0] "x"(w[0]), [w1] "x"(w[1]), [m0] "m"(xm[0]), [m1] "m"(xm[1]), [m2] "m"(xm[2]), [m3] "m"(xm[3]));
-        __asm__ volatile("" : "+m"(xm[0]));
+        __asm__ volatile(QM_QUAD4_ASM("(%[xm])", "4(%[xm])", "8(%[xm])", "12(%[xm])")
+                         : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),
+                           [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31), [x] "=&x"(xt), [t] "=&x"(tt)
+                         : [w0] "x"(w0), [w1] "x"(w1), [xm] "r"(xm)
+                         : "memory");
     }
+    acc[0] = s00, acc[1] = s01, acc[2] = s10, acc[3] = s11, acc[4] = s20, acc[5] = s21, acc[6] = s30, acc[7] = s31;
 #endif
     __m256i s = acc[0];
     for (int v = 1; v < 8; v++) s = _mm256_add_epi32(s, acc[v]);
