@@ -1132,34 +1132,39 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
                 }
             }
 #endif
+#define PASS_ROWS(SRC, IL_, BB_, C0, R0)                                                                       \
+    do {                                                                                                        \
+        __m256i acc[NB_MAX][2];                                                                                 \
+        if (BB_ == 4) group_sums4_il(SRC, qx + (size_t)(C0) * qs, qs, h, BITS, KIND, IL_, f, acc);              \
+        else group_sums_il(SRC, qx + (size_t)(C0) * qs, qs, h, BB_, BITS, KIND, IL_, f, acc);                   \
+        rows_update(s + (R0), f, acc, a->dx + (size_t)(C0) * a->dx_stride + qb, a->dx_stride,                   \
+                    a->xs + (size_t)g * B + (C0), BB_, KIND, j % 2 == 0);                                       \
+    } while (0)
+            /* a decode step: one pass, written without prefill's loop (around it GCC unpacked
+             * the group's codes ahead, kept them on the stack and loaded them back) */
+            if (!big) {
+                PASS_ROWS(&p, IL, BB, (unsigned)b0, 0);
+                continue;
+            }
             /* prefill: the group's codes unpacked once for all passes of NB_MAX rows */
             const quad_src u = {unpacked, NULL, 0};
-            if (big && B - R > NB_MAX) unpack_group(&p, h, BITS, IL, unpacked);
-            for (unsigned c0 = big ? R : (unsigned)b0; c0 < (big ? B : (unsigned)b0 + 1); c0 += NB_MAX) {
-                const unsigned rows = big ? (B - c0 < NB_MAX ? B - c0 : NB_MAX) : (unsigned)BB, r0 = big ? c0 : 0;
-                __m256i acc[NB_MAX][2];
-#define PASS_ROWS(SRC, IL_, BB_)                                                                               \
-    do {                                                                                                        \
-        if (BB_ == 4) group_sums4_il(SRC, qx + (size_t)c0 * qs, qs, h, BITS, KIND, IL_, f, acc);                \
-        else group_sums_il(SRC, qx + (size_t)c0 * qs, qs, h, BB_, BITS, KIND, IL_, f, acc);                     \
-        rows_update(s + r0, f, acc, a->dx + (size_t)c0 * a->dx_stride + qb, a->dx_stride, a->xs + (size_t)g * B + c0,  \
-                    BB_, KIND, j % 2 == 0);                                                                     \
-    } while (0)
-                if (!big) PASS_ROWS(&p, IL, BB);
-                else if (B - R <= NB_MAX) switch (rows) { /* one pass: the codes as they are */
-                    case 1: PASS_ROWS(&p, IL, 1); break;
-                    case 2: PASS_ROWS(&p, IL, 2); break;
-                    case 3: PASS_ROWS(&p, IL, 3); break;
-                    default: PASS_ROWS(&p, IL, 4); break;
+            if (B - R > NB_MAX) unpack_group(&p, h, BITS, IL, unpacked);
+            for (unsigned c0 = R; c0 < B; c0 += NB_MAX) {
+                const unsigned rows = B - c0 < NB_MAX ? B - c0 : NB_MAX;
+                if (B - R <= NB_MAX) switch (rows) { /* one pass: the codes as they are */
+                    case 1: PASS_ROWS(&p, IL, 1, c0, c0); break;
+                    case 2: PASS_ROWS(&p, IL, 2, c0, c0); break;
+                    case 3: PASS_ROWS(&p, IL, 3, c0, c0); break;
+                    default: PASS_ROWS(&p, IL, 4, c0, c0); break;
                     }
                 else switch (rows) {
-                    case 1: PASS_ROWS(&u, 2, 1); break;
-                    case 2: PASS_ROWS(&u, 2, 2); break;
-                    case 3: PASS_ROWS(&u, 2, 3); break;
-                    default: PASS_ROWS(&u, 2, 4); break;
+                    case 1: PASS_ROWS(&u, 2, 1, c0, c0); break;
+                    case 2: PASS_ROWS(&u, 2, 2, c0, c0); break;
+                    case 3: PASS_ROWS(&u, 2, 3, c0, c0); break;
+                    default: PASS_ROWS(&u, 2, 4, c0, c0); break;
                     }
-#undef PASS_ROWS
             }
+#undef PASS_ROWS
         }
 #ifdef QM_AMX
         if (KIND != KIND_PLAIN) superblocks_update16(st, R, &cf, sb, KIND);
