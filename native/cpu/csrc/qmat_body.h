@@ -1185,6 +1185,65 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
             _mm256_storeu_ps(ybuf + (size_t)((big ? 0 : b0) + b) * m->npad + n + 8 * t, s[b][t].y);
 }
 
+#ifndef CHUNK_PASS1
+#define CHUNK_PASS1(BITS, KIND) 1
+#endif
+#if !QM_VNNI
+/* A decode step of one row of x over a whole chunk, both halves at once (AVX2): each quad's
+ * 64 bytes of codes loaded once for all 32 rows, where two half passes each read every line of
+ * the chunk's run and used half of it, and each made its own loop, factors and updates. The same
+ * int32 sums and, per 8 rows, the same float operations in the same order as half_pass, so the
+ * same floats. */
+AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, int b, float *ybuf,
+                    const int BITS, const int KIND, int pf) {
+    const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP;
+    const unsigned G = (unsigned)m->k / GROUP, B = (unsigned)a->batch, NQ = GROUP / 4;
+    const unsigned RUN = QUADS_PER_RUN(BITS) < (int)NQ ? (unsigned)QUADS_PER_RUN(BITS) : NQ;
+    const size_t tile_bytes = (size_t)NQ * (16 * BITS);
+    const chunk_fac cf = chunk_factors(m, n);
+    const int8_t *qx = a->qx + (size_t)b * a->qx_stride;
+    const float *dx = a->dx + (size_t)b * a->dx_stride;
+    acc8 s[4];
+    for (int v = 0; v < 4; v++) {
+        s[v].y = s[v].fs = s[v].fm = _mm256_setzero_ps();
+        s[v].blk = _mm256_setzero_si256();
+    }
+    for (unsigned sb = 0; sb < G / PER_SB; sb++) {
+        for (unsigned j = 0; j < PER_SB; j++) {
+            const unsigned g = sb * PER_SB + j;
+            const uint8_t *p = group_tile(chunk, g, tile_bytes, pf);
+            const int8_t *xg = qx + (size_t)g * GROUP;
+            fac8 f[4];
+            for (int v = 0; v < 4; v++) group_factors(m, &cf, g, v, KIND, &f[v]);
+            __m256i acc[4];
+            for (int v = 0; v < 4; v++) acc[v] = _mm256_setzero_si256();
+            for (unsigned i0 = 0; i0 < NQ; i0 += RUN) {
+                __m256i s16[4];
+                for (int v = 0; v < 4; v++) s16[v] = _mm256_setzero_si256();
+                for (unsigned i = i0; i < i0 + RUN; i++) {
+                    __m256i W[4];
+                    load_quad_il(p + (size_t)i * (16 * BITS), BITS, W);
+                    int32_t q4;
+                    memcpy(&q4, xg + 4 * i, 4);
+                    mac_quad(W, 4, _mm256_set1_epi32(q4), BITS, s16);
+                }
+                for (int v = 0; v < 4; v++) acc[v] = _mm256_add_epi32(acc[v], widen(s16[v], f[v].wt, INT_SCALED(KIND)));
+            }
+            const __m256 dxv = _mm256_broadcast_ss(dx + g * GROUP / QM_QBLOCK), xsv = _mm256_broadcast_ss(a->xs + (size_t)g * B + b);
+            for (int v = 0; v < 4; v++) group_update_v(&s[v], &f[v], acc[v], dxv, xsv, KIND, j % 2 == 0);
+        }
+        if (KIND != KIND_PLAIN)
+            for (int v = 0; v < 4; v++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.d + cf.fs * sb + 8 * v)));
+                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.m + cf.fs * sb + 8 * v)))
+                                                    : _mm256_setzero_ps();
+                superblock_update(&s[v], d, dmin, KIND);
+            }
+    }
+    for (int v = 0; v < 4; v++) _mm256_storeu_ps(ybuf + (size_t)b * m->npad + n + 8 * v, s[v].y);
+}
+#endif
+
 #if QM_ZMM
 #define DECODE_PASS(H, b0, BB, pf) half_pass16(m, a, chunk, row + 16 * (H), H, b0, BB, ybuf, BITS, KIND, pf)
 #else
@@ -1209,8 +1268,17 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
 #ifdef QM_AMX
     if (big && B >= 16 && (tiled = aligned_alloc(64, sizeof(acc16) * (size_t)B))) amx_configure(BITS == 6 ? 16 : 32);
 #endif
+#if !QM_VNNI
+    const int ONE_PASS = IL == 1 && B == 1 && CHUNK_PASS1(BITS, KIND); /* chunk_pass1 */
+#endif
     for (int row = row0; row < row1; row += 32) {
         const uint8_t *chunk = qm_tile(m, row / 32, 0);
+#if !QM_VNNI
+        if (ONE_PASS) {
+            chunk_pass1(m, a, chunk, row, 0, ybuf, BITS, KIND, pf0);
+            continue;
+        }
+#endif
 #define HALF(H)                                                                                                 \
     do {                                                                                                        \
         const int n = row + 16 * (H), pf = (H) == 0 ? pf0 : 0; /* each line once, ahead of the stream */        \
