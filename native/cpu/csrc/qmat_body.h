@@ -1185,24 +1185,21 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
             _mm256_storeu_ps(ybuf + (size_t)((big ? 0 : b0) + b) * m->npad + n + 8 * t, s[b][t].y);
 }
 
-#ifndef CHUNK_PASS1
-#define CHUNK_PASS1(BITS, KIND) 1
-#endif
 #if !QM_VNNI
 /* A decode step of one row of x over a whole chunk, both halves at once (AVX2): each quad's
  * 64 bytes of codes loaded once for all 32 rows, where two half passes each read every line of
  * the chunk's run and used half of it, and each made its own loop, factors and updates. The same
  * int32 sums and, per 8 rows, the same float operations in the same order as half_pass, so the
  * same floats. */
-AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, int b, float *ybuf,
-                    const int BITS, const int KIND, int pf) {
+AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, float *ybuf, const int BITS,
+                    const int KIND, int pf) {
     const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP;
-    const unsigned G = (unsigned)m->k / GROUP, B = (unsigned)a->batch, NQ = GROUP / 4;
+    const unsigned G = (unsigned)m->k / GROUP, NQ = GROUP / 4;
     const unsigned RUN = QUADS_PER_RUN(BITS) < (int)NQ ? (unsigned)QUADS_PER_RUN(BITS) : NQ;
     const size_t tile_bytes = (size_t)NQ * (16 * BITS);
     const chunk_fac cf = chunk_factors(m, n);
-    const int8_t *qx = a->qx + (size_t)b * a->qx_stride;
-    const float *dx = a->dx + (size_t)b * a->dx_stride;
+    const int8_t *qx = a->qx;
+    const float *dx = a->dx;
     acc8 s[4];
     for (int v = 0; v < 4; v++) {
         s[v].y = s[v].fs = s[v].fm = _mm256_setzero_ps();
@@ -1229,7 +1226,7 @@ AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
                 }
                 for (int v = 0; v < 4; v++) acc[v] = _mm256_add_epi32(acc[v], widen(s16[v], f[v].wt, INT_SCALED(KIND)));
             }
-            const __m256 dxv = _mm256_broadcast_ss(dx + g * GROUP / QM_QBLOCK), xsv = _mm256_broadcast_ss(a->xs + (size_t)g * B + b);
+            const __m256 dxv = _mm256_broadcast_ss(dx + g * GROUP / QM_QBLOCK), xsv = _mm256_broadcast_ss(a->xs + g);
             for (int v = 0; v < 4; v++) group_update_v(&s[v], &f[v], acc[v], dxv, xsv, KIND, j % 2 == 0);
         }
         if (KIND != KIND_PLAIN)
@@ -1240,7 +1237,7 @@ AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
                 superblock_update(&s[v], d, dmin, KIND);
             }
     }
-    for (int v = 0; v < 4; v++) _mm256_storeu_ps(ybuf + (size_t)b * m->npad + n + 8 * v, s[v].y);
+    for (int v = 0; v < 4; v++) _mm256_storeu_ps(ybuf + n + 8 * v, s[v].y);
 }
 #endif
 
@@ -1269,13 +1266,13 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
     if (big && B >= 16 && (tiled = aligned_alloc(64, sizeof(acc16) * (size_t)B))) amx_configure(BITS == 6 ? 16 : 32);
 #endif
 #if !QM_VNNI
-    const int ONE_PASS = IL == 1 && B == 1 && CHUNK_PASS1(BITS, KIND); /* chunk_pass1 */
+    const int ONE_PASS = IL == 1 && B == 1; /* chunk_pass1 */
 #endif
     for (int row = row0; row < row1; row += 32) {
         const uint8_t *chunk = qm_tile(m, row / 32, 0);
 #if !QM_VNNI
         if (ONE_PASS) {
-            chunk_pass1(m, a, chunk, row, 0, ybuf, BITS, KIND, pf0);
+            chunk_pass1(m, a, chunk, row, ybuf, BITS, KIND, pf0);
             continue;
         }
 #endif
