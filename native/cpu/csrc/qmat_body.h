@@ -326,7 +326,8 @@ AI void wide(const qm_matrix *m, const qm_acts *a, int row0, int row1, int g0, i
  * (chunk, group): the codes of 32 rows over all of K are one run. A chunk is taken in two
  * halves of 16 rows; per half and pass of up to NB rows of x, the groups' int16 / int32 sums
  * are made as the quads come (a half's codes unpacked once for all the pass's rows), and each
- * row's float sums stay in registers across all of K: y is written once per half.
+ * row's float sums stay in registers across all of K: y is written once per half. (On AVX2 a
+ * decode step of one row takes the whole chunk in one pass: chunk_pass1.)
  *
  * Each factor is applied where it costs least:
  *   Q4_K / Q5_K: the sub-block's 6-bit scale weights the int16 -> int32 widening (vpmaddwd by
