@@ -628,6 +628,13 @@ AI void superblock_update(acc8 *s, __m256 d, __m256 dmin, const int KIND) {
     s->fs = s->fm = _mm256_setzero_ps();
 }
 
+/* Super-block sb's d and (the K-quants) dmin of rows 8 t .. 8 t + 7 of a chunk's factors. */
+AI void superblock_scales(const chunk_fac *cf, unsigned sb, int t, const int KIND, __m256 *d, __m256 *dmin) {
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->d + cf->fs * sb + 8 * t)));
+    *dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf->m + cf->fs * sb + 8 * t)))
+                            : _mm256_setzero_ps();
+}
+
 #if QM_ZMM
 /* ---------------------------------------------------------------- 512-bit passes (AVX512-VNNI)
  *
@@ -1172,9 +1179,8 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
 #endif
         if (KIND != KIND_PLAIN)
             for (int t = 0; t < 2; t++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.d + cf.fs * sb + 8 * t)));
-                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.m + cf.fs * sb + 8 * t)))
-                                                    : _mm256_setzero_ps();
+                __m256 d, dmin;
+                superblock_scales(&cf, sb, t, KIND, &d, &dmin);
                 for (unsigned b = R; b < NR; b++) superblock_update(&s[b][t], d, dmin, KIND);
             }
     }
@@ -1232,9 +1238,8 @@ AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
         }
         if (KIND != KIND_PLAIN)
             for (int v = 0; v < 4; v++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.d + cf.fs * sb + 8 * v)));
-                const __m256 dmin = KIND == KIND_KQ ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cf.m + cf.fs * sb + 8 * v)))
-                                                    : _mm256_setzero_ps();
+                __m256 d, dmin;
+                superblock_scales(&cf, sb, v, KIND, &d, &dmin);
                 superblock_update(&s[v], d, dmin, KIND);
             }
     }
