@@ -521,28 +521,41 @@ AI void group_sums4_il(const quad_src *p, const int8_t *qx, size_t qs, const int
     for (int i0 = 0; i0 < NQ; i0 += RUN) {
         __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
 #if !QM_VNNI
-        if (IL == 2 && BITS != 8) { /* the whole run in one asm block: GCC copied the sums between
-                                     * registers and kept two on the stack between quads */
-            const uint8_t *w = p->tile + 64 * (size_t)i0;
+        /* the whole run in one asm block: around a block per quad GCC copied the sums between
+         * registers, kept two on the stack and reloaded the nibble mask every quad */
+        if ((IL == 2 && BITS != 8) || (IL == 1 && BITS == 4)) {
+            const uint8_t *w = p->tile + 64 * (size_t)i0 + (IL == 1 ? 32 * h : 0);
             const int8_t *y0 = x0 + 4 * i0, *y1 = x1 + 4 * i0, *y2 = x2 + 4 * i0, *y3 = x3 + 4 * i0;
+            const __m256i f15 = _mm256_set1_epi8(15);
             __m256i w0, w1, xt, tt;
-#define QM_Q(I)                                                                                           \
+#define QM_Q2(I) /* unpacked codes (unpack_group's buffer) */                                           \
     "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                \
     "vmovdqa " #I "*64+32(%[w]), %[w1]\n\t"                                                             \
+    QM_QUAD4_ASM(#I "*4(%[y0])", #I "*4(%[y1])", #I "*4(%[y2])", #I "*4(%[y3])")
+#define QM_Q1(I) /* a half of the interleaved tile's 4-bit quad: low nibbles, then high */             \
+    "vmovdqu " #I "*64(%[w]), %[w1]\n\t"                                                                \
+    "vpand %[w1], %[f], %[w0]\n\t"                                                                      \
+    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                       \
+    "vpand %[f], %[w1], %[w1]\n\t"                                                                      \
     QM_QUAD4_ASM(#I "*4(%[y0])", #I "*4(%[y1])", #I "*4(%[y2])", #I "*4(%[y3])")
 #define QM_RUN_ASM(BODY)                                                                                  \
     __asm__(BODY                                                                                          \
             : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),         \
               [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31), [w0] "=&x"(w0), [w1] "=&x"(w1),          \
               [x] "=&x"(xt), [t] "=&x"(tt)                                                                \
-            : [w] "r"(w), [y0] "r"(y0), [y1] "r"(y1), [y2] "r"(y2), [y3] "r"(y3)                          \
+            : [w] "r"(w), [y0] "r"(y0), [y1] "r"(y1), [y2] "r"(y2), [y3] "r"(y3), [f] "x"(f15)            \
             : "memory")
-            if (RUN == 8) QM_RUN_ASM(QM_Q(0) QM_Q(1) QM_Q(2) QM_Q(3) QM_Q(4) QM_Q(5) QM_Q(6) QM_Q(7));
-            else if (RUN == 4) QM_RUN_ASM(QM_Q(0) QM_Q(1) QM_Q(2) QM_Q(3));
-            else if (RUN == 2) QM_RUN_ASM(QM_Q(0) QM_Q(1));
-            else QM_RUN_ASM(QM_Q(0));
+#define QM_RUNS(Q)                                                                                        \
+    if (RUN == 8) QM_RUN_ASM(Q(0) Q(1) Q(2) Q(3) Q(4) Q(5) Q(6) Q(7));                                    \
+    else if (RUN == 4) QM_RUN_ASM(Q(0) Q(1) Q(2) Q(3));                                                   \
+    else if (RUN == 2) QM_RUN_ASM(Q(0) Q(1));                                                             \
+    else QM_RUN_ASM(Q(0))
+            if (IL == 2) QM_RUNS(QM_Q2);
+            else QM_RUNS(QM_Q1);
+#undef QM_RUNS
 #undef QM_RUN_ASM
-#undef QM_Q
+#undef QM_Q1
+#undef QM_Q2
         } else
 #endif
 #pragma GCC unroll 2
