@@ -68,7 +68,9 @@ TYPES = sorted(ql.FORMATS)
 NAMES = [ql.FORMATS[t].name for t in TYPES]
 # (rows, inputs): odd row counts (padded chunks), one row, K of 1 to 8 super-blocks
 SHAPES = [(1, 256), (33, 512), (130, 768), (64, 2048)]
-BATCHES = (1, 3, 8, 13, 40, 64)  # 13: a pass of 8 rows and 5; 40: two AMX blocks of 16 and 8; 64: a whole call
+# 2-4: the decode passes of a verification; 7, 13: a pass of 8 rows and the rest; 16, 40: one and
+# two AMX blocks of 16 (and 8); 64: a whole call
+BATCHES = (1, 2, 3, 4, 7, 8, 13, 16, 40, 64)
 MEAN_SQUARED_RATIO_MAX = 1.3
 
 

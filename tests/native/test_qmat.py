@@ -84,7 +84,7 @@ def test_vnni_kernels_give_the_avx2_kernels_floats(isa: str, qtype: int, interle
     c = ql.decode(gguf_blocks(qtype, n, k, seed=5), qtype)
     p = ql.pack(c, interleaved)
     m = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, interleaved)
-    batches = (1, 3, 8, 13, 40, 64)  # prefill: 40 = two AMX blocks of 16 rows (where present) and 8 more
+    batches = (1, 2, 3, 4, 8, 13, 40, 64)  # prefill: 40 = two AMX blocks of 16 rows (where present) and 8 more
     if not interleaved and vnni.startswith("avx512"):
         batches = (13, 40, 64) if vnni == "avx512vnni" else ()
         if not batches:
@@ -103,6 +103,34 @@ def test_vnni_kernels_give_the_avx2_kernels_floats(isa: str, qtype: int, interle
                 ys.append(y)
             assert runtime.qmat_kernel() == vnni
             np.testing.assert_array_equal(ys[0], ys[1], err_msg=f"{vnni} vs avx2, batch {batch}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_decode_rows_equal_each_row_alone(qtype: int) -> None:
+    """Each row of a call of 2 to 9 rows (the decode passes of a verification or a batch, and
+    the first calls past them) gives bit for bit the floats of that row alone, on one thread
+    and on two (a thread's share of the rows is whole chunks)."""
+    f = ql.FORMATS[qtype]
+    rng = np.random.default_rng(qtype + 7)
+    n, k = 96, 1024 if f.dgroup == 256 else 352
+    p = ql.pack(ql.decode(gguf_blocks(qtype, n, k, seed=9), qtype), True)
+    m = kernels().QMatrix(qtype, p.codes, p.d, p.m, p.sc, p.mn, n, k, True)
+    x = (4 * rng.standard_normal((9, k))).astype(np.float32)  # large |qx|: no int16 slack
+
+    def gemv(rows: np.ndarray) -> np.ndarray:
+        y = np.full((len(rows), n), np.nan, dtype=np.float32)
+        m.gemv(np.ascontiguousarray(rows), y, len(rows), k, n, 0.0, True, None)
+        return y
+
+    alone = np.concatenate([gemv(x[r : r + 1]) for r in range(len(x))])
+    before = runtime.num_threads()
+    try:
+        for threads in (1, 2):
+            runtime.set_num_threads(threads)
+            for batch in range(2, len(x) + 1):
+                np.testing.assert_array_equal(gemv(x[:batch]), alone[:batch], err_msg=f"{threads} threads, batch {batch}")
+    finally:
+        runtime.set_num_threads(before)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
