@@ -176,7 +176,7 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
  * products q x, |q| <= 2^bits - 1 (Q8_0 through the sign trick: 128), |x| <= 127. */
 #define QUADS_PER_I16(BITS) ((BITS) == 4 ? 8 : (BITS) == 5 ? 4 : (BITS) == 6 ? 2 : 1)
 
-/* AVX2's quad for four rows of x, as asm text (group_sums4_il, qm_mac_peak): the activations
+/* AVX2's quad for four rows of x, as asm text (group_sums_rows_il, qm_mac_peak): the activations
  * at X0 .. X3 broadcast in turn into %[x], each times the code vectors %[w0], %[w1] by
  * vpmaddubsw into %[t], added to the int16 sums %[s00] .. %[s31] (row r's in s<r>0, s<r>1). */
 #define QM_ROW_ASM(X, A, B)                                                                   \
@@ -185,6 +185,10 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
     "vpaddw %[t], %[" A "], %[" A "]\n\t"                                                     \
     "vpmaddubsw %[x], %[w1], %[t]\n\t"                                                        \
     "vpaddw %[t], %[" B "], %[" B "]\n\t"
+#define QM_ROW0_ASM(X, A, B) /* the first quad of a run: the products are the sums */         \
+    "vpbroadcastd " X ", %[x]\n\t"                                                            \
+    "vpmaddubsw %[x], %[w0], %[" A "]\n\t"                                                    \
+    "vpmaddubsw %[x], %[w1], %[" B "]\n\t"
 #define QM_QUAD4_ASM(X0, X1, X2, X3)                                                          \
     QM_ROW_ASM(X0, "s00", "s01") QM_ROW_ASM(X1, "s10", "s11") QM_ROW_ASM(X2, "s20", "s21")   \
     QM_ROW_ASM(X3, "s30", "s31")
@@ -507,55 +511,92 @@ AI void group_sums_il(const quad_src *p, const int8_t *qx, size_t qs, const int 
     }
 }
 
-/* group_sums_il for four rows of x (a pass of prefill, of a verification or of a batch), written
- * out: the eight sums are named values that stay in registers for the whole group. On AVX2 the
- * four rows' multiply-adds of a quad are one asm block with its two temporaries named: in C, GCC
- * (12) kept two of the sums on the stack, a store-to-load chain through every quad, and copied
- * the others between registers (16 ymm hold the 8 sums, 2 code vectors, the nibble mask and the
- * temporaries). The same integers as group_sums_il. */
-AI void group_sums4_il(const quad_src *p, const int8_t *qx, size_t qs, const int h, const int BITS, const int KIND,
-                       const int IL, const fac8 f[2], __m256i acc[NB_MAX][2]) {
+/* group_sums_il for two to four rows of x (a pass of prefill, of a verification or of a batch),
+ * written out: the sums are named values that stay in registers for the whole group (16 ymm hold
+ * 8 sums, 2 code vectors, the masks and the temporaries). On AVX2 each run of quads is one asm
+ * block, the codes' unpacking included where it is short (4-bit quads; 6-bit ones): around a
+ * block per quad GCC copied the sums between registers, kept two on the stack and reloaded the
+ * masks every quad, and in C (GCC 12) it kept two sums on the stack, a store-to-load chain
+ * through every quad. The same integers as group_sums_il. */
+AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const int h, const int NB, const int BITS,
+                           const int KIND, const int IL, const fac8 f[2], __m256i acc[NB_MAX][2]) {
     const int NQ = (BITS == 6 ? 16 : 32) / 4, RUN = QUADS_PER_RUN(BITS) < NQ ? QUADS_PER_RUN(BITS) : NQ;
-    const int8_t *x0 = qx, *x1 = qx + qs, *x2 = qx + 2 * qs, *x3 = qx + 3 * qs;
+    /* rows past NB: row 0's address, never read */
+    const int8_t *x0 = qx, *x1 = qx + qs, *x2 = NB > 2 ? qx + 2 * qs : qx, *x3 = NB > 3 ? qx + 3 * qs : qx;
     __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int i0 = 0; i0 < NQ; i0 += RUN) {
         __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
 #if !QM_VNNI
-        /* the whole run in one asm block: around a block per quad GCC copied the sums between
-         * registers, kept two on the stack and reloaded the nibble mask every quad */
-        if ((IL == 2 && BITS != 8) || (IL == 1 && BITS == 4)) {
-            const uint8_t *w = p->tile + 64 * (size_t)i0 + (IL == 1 ? 32 * h : 0);
+        if ((IL == 2 && BITS != 8) || (IL == 1 && (BITS == 4 || BITS == 6))) {
+            const uint8_t *w = p->tile + (size_t)i0 * (IL == 2 ? 64 : 16 * BITS) + (IL == 1 && BITS == 4 ? 32 * h : 0);
             const int8_t *y0 = x0 + 4 * i0, *y1 = x1 + 4 * i0, *y2 = x2 + 4 * i0, *y3 = x3 + 4 * i0;
-            const __m256i f15 = _mm256_set1_epi8(15);
+            const __m256i fm = _mm256_set1_epi8(BITS == 6 && h == 0 ? 63 : 15), top = _mm256_set1_epi8(0x30);
             __m256i w0, w1, xt, tt;
-#define QM_Q2(I) /* unpacked codes (unpack_group's buffer) */                                           \
-    "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                \
-    "vmovdqa " #I "*64+32(%[w]), %[w1]\n\t"                                                             \
-    QM_QUAD4_ASM(#I "*4(%[y0])", #I "*4(%[y1])", #I "*4(%[y2])", #I "*4(%[y3])")
-#define QM_Q1(I) /* a half of the interleaved tile's 4-bit quad: low nibbles, then high */             \
-    "vmovdqu " #I "*64(%[w]), %[w1]\n\t"                                                                \
-    "vpand %[w1], %[f], %[w0]\n\t"                                                                      \
-    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                       \
-    "vpand %[f], %[w1], %[w1]\n\t"                                                                      \
-    QM_QUAD4_ASM(#I "*4(%[y0])", #I "*4(%[y1])", #I "*4(%[y2])", #I "*4(%[y3])")
-#define QM_RUN_ASM(BODY)                                                                                  \
+#define QM_U2(I) /* unpacked codes (unpack_group's buffer) */                                             \
+    "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                  \
+    "vmovdqa " #I "*64+32(%[w]), %[w1]\n\t"
+#define QM_U4(I) /* half h of the tile's 4-bit quad (load_half_il): low nibbles, then high */           \
+    "vmovdqu " #I "*64(%[w]), %[w1]\n\t"                                                                  \
+    "vpand %[w1], %[f], %[w0]\n\t"                                                                        \
+    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                         \
+    "vpand %[f], %[w1], %[w1]\n\t"
+#define QM_U6L(I) /* 6-bit quad, rows 0..15: whole bytes, masked to 63 */                                 \
+    "vmovdqu " #I "*96(%[w]), %[w0]\n\t"                                                                  \
+    "vpand %[w0], %[f], %[w0]\n\t"                                                                        \
+    "vmovdqu " #I "*96+32(%[w]), %[w1]\n\t"                                                               \
+    "vpand %[w1], %[f], %[w1]\n\t"
+#define QM_U6H(I) /* 6-bit quad, rows 16..31: a nibble of bytes 64..95, two bits of bytes 0..63 */        \
+    "vmovdqu " #I "*96+64(%[w]), %[w1]\n\t"                                                               \
+    "vpand %[w1], %[f], %[w0]\n\t"                                                                        \
+    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                         \
+    "vpand %[f], %[w1], %[w1]\n\t"                                                                        \
+    "vmovdqu " #I "*96(%[w]), %[t]\n\t"                                                                   \
+    "vpsrlw $2, %[t], %[t]\n\t"                                                                           \
+    "vpand %[g], %[t], %[t]\n\t"                                                                          \
+    "vpor %[t], %[w0], %[w0]\n\t"                                                                         \
+    "vmovdqu " #I "*96+32(%[w]), %[t]\n\t"                                                                \
+    "vpsrlw $2, %[t], %[t]\n\t"                                                                           \
+    "vpand %[g], %[t], %[t]\n\t"                                                                          \
+    "vpor %[t], %[w1], %[w1]\n\t"
+#define QM_X(I, R) #I "*4(%[y" #R "])"
+#define QM_R2(I, ROW) ROW(QM_X(I, 0), "s00", "s01") ROW(QM_X(I, 1), "s10", "s11")
+#define QM_R3(I, ROW) QM_R2(I, ROW) ROW(QM_X(I, 2), "s20", "s21")
+#define QM_R4(I, ROW) QM_R3(I, ROW) ROW(QM_X(I, 3), "s30", "s31")
+#define QM_RUN_ASM(BODY) /* the sums are the block's outputs: its first quad writes them */              \
     __asm__(BODY                                                                                          \
-            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),         \
-              [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31), [w0] "=&x"(w0), [w1] "=&x"(w1),          \
+            : [s00] "=&x"(s00), [s01] "=&x"(s01), [s10] "=&x"(s10), [s11] "=&x"(s11), [s20] "=&x"(s20),    \
+              [s21] "=&x"(s21), [s30] "=&x"(s30), [s31] "=&x"(s31), [w0] "=&x"(w0), [w1] "=&x"(w1),       \
               [x] "=&x"(xt), [t] "=&x"(tt)                                                                \
-            : [w] "r"(w), [y0] "r"(y0), [y1] "r"(y1), [y2] "r"(y2), [y3] "r"(y3), [f] "x"(f15)            \
+            : [w] "r"(w), [y0] "r"(y0), [y1] "r"(y1), [y2] "r"(y2), [y3] "r"(y3), [f] "x"(fm), [g] "x"(top) \
             : "memory")
-#define QM_RUNS(Q)                                                                                        \
-    if (RUN == 8) QM_RUN_ASM(Q(0) Q(1) Q(2) Q(3) Q(4) Q(5) Q(6) Q(7));                                    \
-    else if (RUN == 4) QM_RUN_ASM(Q(0) Q(1) Q(2) Q(3));                                                   \
-    else if (RUN == 2) QM_RUN_ASM(Q(0) Q(1));                                                             \
-    else QM_RUN_ASM(Q(0))
-            if (IL == 2) QM_RUNS(QM_Q2);
-            else QM_RUNS(QM_Q1);
+#define QM_Q(U, R, I) U(I) R(I, QM_ROW_ASM)
+#define QM_RUNS(U, R)                                                                                     \
+    if (RUN == 8)                                                                                         \
+        QM_RUN_ASM(U(0) R(0, QM_ROW0_ASM) QM_Q(U, R, 1) QM_Q(U, R, 2) QM_Q(U, R, 3) QM_Q(U, R, 4)          \
+                       QM_Q(U, R, 5) QM_Q(U, R, 6) QM_Q(U, R, 7));                                        \
+    else if (RUN == 4) QM_RUN_ASM(U(0) R(0, QM_ROW0_ASM) QM_Q(U, R, 1) QM_Q(U, R, 2) QM_Q(U, R, 3));       \
+    else if (RUN == 2) QM_RUN_ASM(U(0) R(0, QM_ROW0_ASM) QM_Q(U, R, 1));                                  \
+    else QM_RUN_ASM(U(0) R(0, QM_ROW0_ASM))
+#define QM_BY_ROWS(U)                                                                                     \
+    if (NB == 2) QM_RUNS(U, QM_R2);                                                                       \
+    else if (NB == 3) QM_RUNS(U, QM_R3);                                                                  \
+    else QM_RUNS(U, QM_R4)
+            if (IL == 2) QM_BY_ROWS(QM_U2);
+            else if (BITS == 4) QM_BY_ROWS(QM_U4);
+            else if (h == 0) QM_BY_ROWS(QM_U6L);
+            else QM_BY_ROWS(QM_U6H);
+#undef QM_BY_ROWS
 #undef QM_RUNS
+#undef QM_Q
 #undef QM_RUN_ASM
-#undef QM_Q1
-#undef QM_Q2
+#undef QM_R4
+#undef QM_R3
+#undef QM_R2
+#undef QM_X
+#undef QM_U6H
+#undef QM_U6L
+#undef QM_U4
+#undef QM_U2
         } else
 #endif
 #pragma GCC unroll 2
@@ -563,7 +604,7 @@ AI void group_sums4_il(const quad_src *p, const int8_t *qx, size_t qs, const int
             __m256i W[2];
             quad_half(p, (unsigned)i, h, BITS, IL, W);
 #if !QM_VNNI
-            if (BITS != 8) {
+            if (BITS != 8 && NB == 4) {
                 __m256i xt, tt;
                 __asm__(QM_QUAD4_ASM("%[m0]", "%[m1]", "%[m2]", "%[m3]")
                         : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),
@@ -584,15 +625,17 @@ AI void group_sums4_il(const quad_src *p, const int8_t *qx, size_t qs, const int
     } while (0)
             QM_ROW(x0, s00, s01);
             QM_ROW(x1, s10, s11);
-            QM_ROW(x2, s20, s21);
-            QM_ROW(x3, s30, s31);
+            if (NB > 2) QM_ROW(x2, s20, s21);
+            if (NB > 3) QM_ROW(x3, s30, s31);
 #undef QM_ROW
         }
         const int W8 = INT_SCALED(KIND);
         a00 = _mm256_add_epi32(a00, widen(s00, f[0].wt, W8)), a01 = _mm256_add_epi32(a01, widen(s01, f[1].wt, W8));
         a10 = _mm256_add_epi32(a10, widen(s10, f[0].wt, W8)), a11 = _mm256_add_epi32(a11, widen(s11, f[1].wt, W8));
-        a20 = _mm256_add_epi32(a20, widen(s20, f[0].wt, W8)), a21 = _mm256_add_epi32(a21, widen(s21, f[1].wt, W8));
-        a30 = _mm256_add_epi32(a30, widen(s30, f[0].wt, W8)), a31 = _mm256_add_epi32(a31, widen(s31, f[1].wt, W8));
+        if (NB > 2)
+            a20 = _mm256_add_epi32(a20, widen(s20, f[0].wt, W8)), a21 = _mm256_add_epi32(a21, widen(s21, f[1].wt, W8));
+        if (NB > 3)
+            a30 = _mm256_add_epi32(a30, widen(s30, f[0].wt, W8)), a31 = _mm256_add_epi32(a31, widen(s31, f[1].wt, W8));
     }
     acc[0][0] = a00, acc[0][1] = a01, acc[1][0] = a10, acc[1][1] = a11;
     acc[2][0] = a20, acc[2][1] = a21, acc[3][0] = a30, acc[3][1] = a31;
@@ -1156,7 +1199,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
 #define PASS_ROWS(SRC, IL_, BB_, C0, R0)                                                                       \
     do {                                                                                                        \
         __m256i acc[NB_MAX][2];                                                                                 \
-        if (BB_ == 4) group_sums4_il(SRC, qx + (size_t)(C0) * qs, qs, h, BITS, KIND, IL_, f, acc);              \
+        if (BB_ >= 2) group_sums_rows_il(SRC, qx + (size_t)(C0) * qs, qs, h, BB_, BITS, KIND, IL_, f, acc);     \
         else group_sums_il(SRC, qx + (size_t)(C0) * qs, qs, h, BB_, BITS, KIND, IL_, f, acc);                   \
         rows_update(s + (R0), f, acc, a->dx + (size_t)(C0) * a->dx_stride + qb, a->dx_stride,                   \
                     a->xs + (size_t)g * B + (C0), BB_, KIND, j % 2 == 0);                                       \
@@ -1520,7 +1563,7 @@ int qm_zeroing_prepare_avx2(const float *x, size_t x_stride, int batch, int k, i
 #if !QM_VNNI && !QM_ZMM
 /* The ceiling of the multi-row path's structure (bench_kernels' pass_peak): its passes alone,
  * as prefill runs them (64 rows of x in passes of four over 16 rows of W, K = 1536), with a
- * group's codes already unpacked in L1: the quads' multiply-adds (group_sums4_il) and each
+ * group's codes already unpacked in L1: the quads' multiply-adds (group_sums_rows_il) and each
  * group's widening by the sub-block scales and float update of the rows' sums (rows_update), and
  * none of the call's other work (unpacking, factors, super-blocks, threads). `iters` groups of
  * all 64 rows; returns the multiply-adds done. */
@@ -1550,7 +1593,7 @@ long long QM_NAME(qm_pass_peak)(long long iters) {
         for (unsigned g = 0; g < G; g++, groups++)
             for (unsigned r0 = 0; r0 < ROWS; r0 += NB_MAX) {
                 __m256i acc[NB_MAX][2];
-                group_sums4_il(&u, qx + (size_t)r0 * K + 32 * g, K, 0, 4, KIND_KQ, 2, f, acc);
+                group_sums_rows_il(&u, qx + (size_t)r0 * K + 32 * g, K, 0, 4, 4, KIND_KQ, 2, f, acc);
                 rows_update(s + r0, f, acc, dx + (size_t)r0 * G + g, G, xs + (size_t)g * ROWS + r0, NB_MAX, KIND_KQ, 1);
             }
     volatile float sink = _mm256_cvtss_f32(s[ROWS - 1][1].fs);
@@ -1562,7 +1605,7 @@ long long QM_NAME(qm_pass_peak)(long long iters) {
 
 /* bench_kernels.py's peak: the passes' multiply-add instruction sequence alone, with eight
  * independent accumulators in registers (a pass of up to 4 rows of x keeps 8): AVX2 the
- * prefill passes' own asm (group_sums4_il: two code vectors, four activations broadcast from
+ * prefill passes' own asm (group_sums_rows_il: two code vectors, four activations broadcast from
  * L1, vpmaddubsw + vpaddw, 32 multiply-adds each), VNNI vpdpbusd (32, or 64 on 512-bit
  * registers). Returns the multiply-adds done. The empty asm makes x new each round, so nothing
  * is hoisted. (An intrinsic AVX2 version with eight code vectors held 17 vectors live and
