@@ -527,11 +527,13 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
     for (int i0 = 0; i0 < NQ; i0 += RUN) {
         __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
 #if !QM_VNNI
-        if ((IL == 2 && BITS != 8) || (IL == 1 && (BITS == 4 || BITS == 6))) {
-            const uint8_t *w = p->tile + (size_t)i0 * (IL == 2 ? 64 : 16 * BITS) + (IL == 1 && BITS == 4 ? 32 * h : 0);
+        if (IL == 2 || (IL == 1 && BITS != 5)) {
+            const uint8_t *w = p->tile + (size_t)i0 * (IL == 2 ? 64 : 16 * BITS) + (IL == 2 ? 0 : BITS == 4 ? 32 * h : BITS == 8 ? 64 * h : 0);
             const int8_t *y0 = x0 + 4 * i0, *y1 = x1 + 4 * i0, *y2 = x2 + 4 * i0, *y3 = x3 + 4 * i0;
-            const __m256i fm = _mm256_set1_epi8(BITS == 6 && h == 0 ? 63 : 15), top = _mm256_set1_epi8(0x30);
-            __m256i w0, w1, xt, tt;
+            /* f: the low mask (Q8_0: the widening's int16 ones); g: Q6_K's top two bits */
+            const __m256i fm = BITS == 8 ? _mm256_set1_epi16(1) : _mm256_set1_epi8(BITS == 6 && h == 0 ? 63 : 15);
+            const __m256i top = _mm256_set1_epi8(0x30);
+            __m256i w0, w1, xt, tt, ut;
 #define QM_U2(I) /* unpacked codes (unpack_group's buffer) */                                             \
     "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                  \
     "vmovdqa " #I "*64+32(%[w]), %[w1]\n\t"
@@ -558,6 +560,23 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
     "vpsrlw $2, %[t], %[t]\n\t"                                                                           \
     "vpand %[g], %[t], %[t]\n\t"                                                                          \
     "vpor %[t], %[w1], %[w1]\n\t"
+#define QM_U8(I) /* half h of an 8-bit quad */                                                            \
+    "vmovdqu " #I "*128(%[w]), %[w0]\n\t"                                                                \
+    "vmovdqu " #I "*128+32(%[w]), %[w1]\n\t"
+/* Q8_0's row (mac1's sign trick: |x| times the codes with x's sign), each quad's products
+ * widened at once into the int32 sums A, B (a quad's pair of products can fill an int16) */
+#define QM_ROW8_HALF(WV, S, FIRST)                                                                        \
+    "vpsignb %[x], %[" WV "], %[t]\n\t"                                                                  \
+    "vpmaddubsw %[t], %[u], %[t]\n\t"                                                                    \
+    FIRST("vpmaddwd %[f], %[t], %[" S "]\n\t", "vpmaddwd %[f], %[t], %[t]\n\tvpaddd %[t], %[" S "], %[" S "]\n\t")
+#define QM_FIRST(A, B) A
+#define QM_LATER(A, B) B
+#define QM_ROW8_0_ASM(X, A, B)                                                                            \
+    "vpbroadcastd " X ", %[x]\n\t"                                                                       \
+    "vpsignb %[x], %[x], %[u]\n\t" QM_ROW8_HALF("w0", A, QM_FIRST) QM_ROW8_HALF("w1", B, QM_FIRST)
+#define QM_ROW8_ASM(X, A, B)                                                                              \
+    "vpbroadcastd " X ", %[x]\n\t"                                                                       \
+    "vpsignb %[x], %[x], %[u]\n\t" QM_ROW8_HALF("w0", A, QM_LATER) QM_ROW8_HALF("w1", B, QM_LATER)
 #define QM_X(I, R) #I "*4(%[y" #R "])"
 #define QM_R2(I, ROW) ROW(QM_X(I, 0), "s00", "s01") ROW(QM_X(I, 1), "s10", "s11")
 #define QM_R3(I, ROW) QM_R2(I, ROW) ROW(QM_X(I, 2), "s20", "s21")
@@ -566,7 +585,7 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
     __asm__(BODY                                                                                          \
             : [s00] "=&x"(s00), [s01] "=&x"(s01), [s10] "=&x"(s10), [s11] "=&x"(s11), [s20] "=&x"(s20),    \
               [s21] "=&x"(s21), [s30] "=&x"(s30), [s31] "=&x"(s31), [w0] "=&x"(w0), [w1] "=&x"(w1),       \
-              [x] "=&x"(xt), [t] "=&x"(tt)                                                                \
+              [x] "=&x"(xt), [t] "=&x"(tt), [u] "=&x"(ut)                                                 \
             : [w] "r"(w), [y0] "r"(y0), [y1] "r"(y1), [y2] "r"(y2), [y3] "r"(y3), [f] "x"(fm), [g] "x"(top) \
             : "memory")
 #define QM_Q(U, R, I) U(I) R(I, QM_ROW_ASM)
@@ -577,15 +596,27 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
     else if (RUN == 4) QM_RUN_ASM(U(0) R(0, QM_ROW0_ASM) QM_Q(U, R, 1) QM_Q(U, R, 2) QM_Q(U, R, 3));       \
     else if (RUN == 2) QM_RUN_ASM(U(0) R(0, QM_ROW0_ASM) QM_Q(U, R, 1));                                  \
     else QM_RUN_ASM(U(0) R(0, QM_ROW0_ASM))
-#define QM_BY_ROWS(U)                                                                                     \
-    if (NB == 2) QM_RUNS(U, QM_R2);                                                                       \
-    else if (NB == 3) QM_RUNS(U, QM_R3);                                                                  \
-    else QM_RUNS(U, QM_R4)
-            if (IL == 2) QM_BY_ROWS(QM_U2);
-            else if (BITS == 4) QM_BY_ROWS(QM_U4);
-            else if (h == 0) QM_BY_ROWS(QM_U6L);
-            else QM_BY_ROWS(QM_U6H);
+#define QM_Q8(U, R, I) U(I) R(I, QM_ROW8_ASM)
+#define QM_RUNS8(U, R) /* Q8_0: the whole group */                                                        \
+    QM_RUN_ASM(U(0) R(0, QM_ROW8_0_ASM) QM_Q8(U, R, 1) QM_Q8(U, R, 2) QM_Q8(U, R, 3) QM_Q8(U, R, 4)        \
+                   QM_Q8(U, R, 5) QM_Q8(U, R, 6) QM_Q8(U, R, 7))
+#define QM_BY_ROWS(RUNS, U)                                                                               \
+    if (NB == 2) RUNS(U, QM_R2);                                                                          \
+    else if (NB == 3) RUNS(U, QM_R3);                                                                     \
+    else RUNS(U, QM_R4)
+            if (BITS == 8) { /* the sums are int32 already, of the whole group */
+                if (IL == 2) QM_BY_ROWS(QM_RUNS8, QM_U2);
+                else QM_BY_ROWS(QM_RUNS8, QM_U8);
+                a00 = s00, a01 = s01, a10 = s10, a11 = s11, a20 = s20, a21 = s21, a30 = s30, a31 = s31;
+                break;
+            }
+            if (IL == 2) QM_BY_ROWS(QM_RUNS, QM_U2);
+            else if (BITS == 4) QM_BY_ROWS(QM_RUNS, QM_U4);
+            else if (h == 0) QM_BY_ROWS(QM_RUNS, QM_U6L);
+            else QM_BY_ROWS(QM_RUNS, QM_U6H);
 #undef QM_BY_ROWS
+#undef QM_RUNS8
+#undef QM_Q8
 #undef QM_RUNS
 #undef QM_Q
 #undef QM_RUN_ASM
@@ -597,6 +628,12 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
 #undef QM_U6L
 #undef QM_U4
 #undef QM_U2
+#undef QM_U8
+#undef QM_ROW8_ASM
+#undef QM_ROW8_0_ASM
+#undef QM_LATER
+#undef QM_FIRST
+#undef QM_ROW8_HALF
         } else
 #endif
 #pragma GCC unroll 2
