@@ -176,9 +176,9 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
  * products q x, |q| <= 2^bits - 1 (Q8_0 through the sign trick: 128), |x| <= 127. */
 #define QUADS_PER_I16(BITS) ((BITS) == 4 ? 8 : (BITS) == 5 ? 4 : (BITS) == 6 ? 2 : 1)
 
-/* AVX2's quad for four rows of x, as asm text (group_sums_rows_il, qm_mac_peak): the activations
- * at X0 .. X3 broadcast in turn into %[x], each times the code vectors %[w0], %[w1] by
- * vpmaddubsw into %[t], added to the int16 sums %[s00] .. %[s31] (row r's in s<r>0, s<r>1). */
+/* AVX2's quad for a row of x, as asm text (group_sums_rows_il; four rows of it in qm_mac_peak):
+ * the activations at X broadcast into %[x], times the code vectors %[w0], %[w1] by vpmaddubsw
+ * into %[t], added to the int16 sums %[A], %[B] (row r's are s<r>0, s<r>1). */
 #define QM_ROW_ASM(X, A, B)                                                                   \
     "vpbroadcastd " X ", %[x]\n\t"                                                            \
     "vpmaddubsw %[x], %[w0], %[t]\n\t"                                                        \
@@ -514,10 +514,10 @@ AI void group_sums_il(const quad_src *p, const int8_t *qx, size_t qs, const int 
 /* group_sums_il for two to four rows of x (a pass of prefill, of a verification or of a batch),
  * written out: the sums are named values that stay in registers for the whole group (16 ymm hold
  * 8 sums, 2 code vectors, the masks and the temporaries). On AVX2 each run of quads is one asm
- * block, the codes' unpacking included where it is short (4-bit quads; 6-bit ones): around a
- * block per quad GCC copied the sums between registers, kept two on the stack and reloaded the
- * masks every quad, and in C (GCC 12) it kept two sums on the stack, a store-to-load chain
- * through every quad. The same integers as group_sums_il. */
+ * block, the codes' unpacking included (Q8_0: the whole group, each quad widened at once): in C
+ * (GCC 12) two sums lived on the stack, a store-to-load chain through every quad, and around a
+ * block per quad GCC copied the sums between registers and reloaded the masks every quad. The
+ * C loop is the VNNI variants' (and AMX's column layout, IL 0). The same integers everywhere. */
 AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const int h, const int NB, const int BITS,
                            const int KIND, const int IL, const fac8 f[2], __m256i acc[NB_MAX][2]) {
     const int NQ = (BITS == 6 ? 16 : 32) / 4, RUN = QUADS_PER_RUN(BITS) < NQ ? QUADS_PER_RUN(BITS) : NQ;
@@ -527,12 +527,15 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
     for (int i0 = 0; i0 < NQ; i0 += RUN) {
         __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
 #if !QM_VNNI
-        if (IL == 2 || (IL == 1 && BITS != 5)) {
+        if (IL) {
             const uint8_t *w = p->tile + (size_t)i0 * (IL == 2 ? 64 : 16 * BITS) + (IL == 2 ? 0 : BITS == 4 ? 32 * h : BITS == 8 ? 64 * h : 0);
             const int8_t *y0 = x0 + 4 * i0, *y1 = x1 + 4 * i0, *y2 = x2 + 4 * i0, *y3 = x3 + 4 * i0;
-            /* f: the low mask (Q8_0: the widening's int16 ones); g: Q6_K's top two bits */
+            /* f: the low mask (Q8_0: the widening's int16 ones); g: Q6_K's top two bits, the fifth
+             * bit's 16; b: the fifth bits' masks of this half's two code vectors (load_half_il) */
             const __m256i fm = BITS == 8 ? _mm256_set1_epi16(1) : _mm256_set1_epi8(BITS == 6 && h == 0 ? 63 : 15);
-            const __m256i top = _mm256_set1_epi8(0x30);
+            const __m256i top = _mm256_set1_epi8(BITS == 5 ? 16 : 0x30);
+            const __m256i b0 = join(_mm_set1_epi8((char)(1 << (4 * h))), _mm_set1_epi8((char)(1 << (4 * h + 1))));
+            const __m256i b1 = join(_mm_set1_epi8((char)(1 << (4 * h + 2))), _mm_set1_epi8((char)(1 << (4 * h + 3))));
             __m256i w0, w1, xt, tt, ut;
 #define QM_U2(I) /* unpacked codes (unpack_group's buffer) */                                             \
     "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                  \
@@ -560,6 +563,22 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
     "vpsrlw $2, %[t], %[t]\n\t"                                                                           \
     "vpand %[g], %[t], %[t]\n\t"                                                                          \
     "vpor %[t], %[w1], %[w1]\n\t"
+#define QM_U5(I, OFF) /* half h of a 5-bit quad: nibbles at OFF, the fifth bits of bytes 64..79 */  \
+    "vmovdqu " #I "*80+" OFF "(%[w]), %[w1]\n\t"                                                          \
+    "vpand %[w1], %[f], %[w0]\n\t"                                                                        \
+    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                         \
+    "vpand %[f], %[w1], %[w1]\n\t"                                                                        \
+    "vbroadcasti128 " #I "*80+64(%[w]), %[u]\n\t"                                                         \
+    "vpand %[b0], %[u], %[t]\n\t"                                                                         \
+    "vpcmpeqb %[b0], %[t], %[t]\n\t"                                                                      \
+    "vpand %[g], %[t], %[t]\n\t"                                                                          \
+    "vpor %[t], %[w0], %[w0]\n\t"                                                                         \
+    "vpand %[b1], %[u], %[t]\n\t"                                                                         \
+    "vpcmpeqb %[b1], %[t], %[t]\n\t"                                                                      \
+    "vpand %[g], %[t], %[t]\n\t"                                                                          \
+    "vpor %[t], %[w1], %[w1]\n\t"
+#define QM_U5L(I) QM_U5(I, "0")
+#define QM_U5H(I) QM_U5(I, "32")
 #define QM_U8(I) /* half h of an 8-bit quad */                                                            \
     "vmovdqu " #I "*128(%[w]), %[w0]\n\t"                                                                \
     "vmovdqu " #I "*128+32(%[w]), %[w1]\n\t"
@@ -586,7 +605,8 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
             : [s00] "=&x"(s00), [s01] "=&x"(s01), [s10] "=&x"(s10), [s11] "=&x"(s11), [s20] "=&x"(s20),    \
               [s21] "=&x"(s21), [s30] "=&x"(s30), [s31] "=&x"(s31), [w0] "=&x"(w0), [w1] "=&x"(w1),       \
               [x] "=&x"(xt), [t] "=&x"(tt), [u] "=&x"(ut)                                                 \
-            : [w] "r"(w), [y0] "r"(y0), [y1] "r"(y1), [y2] "r"(y2), [y3] "r"(y3), [f] "x"(fm), [g] "x"(top) \
+            : [w] "r"(w), [y0] "r"(y0), [y1] "r"(y1), [y2] "r"(y2), [y3] "r"(y3), [f] "x"(fm), [g] "x"(top), \
+              [b0] "m"(b0), [b1] "m"(b1)                                                                  \
             : "memory")
 #define QM_Q(U, R, I) U(I) R(I, QM_ROW_ASM)
 #define QM_RUNS(U, R)                                                                                     \
@@ -612,6 +632,8 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
             }
             if (IL == 2) QM_BY_ROWS(QM_RUNS, QM_U2);
             else if (BITS == 4) QM_BY_ROWS(QM_RUNS, QM_U4);
+            else if (BITS == 5 && h == 0) QM_BY_ROWS(QM_RUNS, QM_U5L);
+            else if (BITS == 5) QM_BY_ROWS(QM_RUNS, QM_U5H);
             else if (h == 0) QM_BY_ROWS(QM_RUNS, QM_U6L);
             else QM_BY_ROWS(QM_RUNS, QM_U6H);
 #undef QM_BY_ROWS
@@ -629,6 +651,9 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
 #undef QM_U4
 #undef QM_U2
 #undef QM_U8
+#undef QM_U5H
+#undef QM_U5L
+#undef QM_U5
 #undef QM_ROW8_ASM
 #undef QM_ROW8_0_ASM
 #undef QM_LATER
@@ -640,18 +665,6 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
         for (int i = i0; i < i0 + RUN; i++) {
             __m256i W[2];
             quad_half(p, (unsigned)i, h, BITS, IL, W);
-#if !QM_VNNI
-            if (BITS != 8 && NB == 4) {
-                __m256i xt, tt;
-                __asm__(QM_QUAD4_ASM("%[m0]", "%[m1]", "%[m2]", "%[m3]")
-                        : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20),
-                          [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31), [x] "=&x"(xt), [t] "=&x"(tt)
-                        : [w0] "x"(W[0]), [w1] "x"(W[1]), [m0] "m"(*(const int32_t *)(x0 + 4 * i)),
-                          [m1] "m"(*(const int32_t *)(x1 + 4 * i)), [m2] "m"(*(const int32_t *)(x2 + 4 * i)),
-                          [m3] "m"(*(const int32_t *)(x3 + 4 * i)));
-                continue;
-            }
-#endif
 #define QM_ROW(xb, s0, s1)                                                                    \
     do {                                                                                      \
         int32_t q;                                                                            \
