@@ -193,6 +193,73 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
     QM_ROW_ASM(X0, "s00", "s01") QM_ROW_ASM(X1, "s10", "s11") QM_ROW_ASM(X2, "s20", "s21")   \
     QM_ROW_ASM(X3, "s30", "s31")
 
+/* The asm text of group_sums_rows_il's runs: a quad's codes into %[w0], %[w1] (QM_U*: from the
+ * interleaved tile at %[w], quad I, as load_half_il unpacks them; QM_U2 from unpack_group's
+ * buffer), and the rows' multiply-adds (QM_R2 .. QM_R4: rows 0..NB-1 of x at %[y0] ..). */
+#define QM_U2(I) /* unpacked codes (unpack_group's buffer) */                                             \
+    "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                  \
+    "vmovdqa " #I "*64+32(%[w]), %[w1]\n\t"
+#define QM_U4(I) /* half h of the tile's 4-bit quad (load_half_il): low nibbles, then high */           \
+    "vmovdqu " #I "*64(%[w]), %[w1]\n\t"                                                                  \
+    "vpand %[w1], %[f], %[w0]\n\t"                                                                        \
+    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                         \
+    "vpand %[f], %[w1], %[w1]\n\t"
+#define QM_U6L(I) /* 6-bit quad, rows 0..15: whole bytes, masked to 63 */                                 \
+    "vmovdqu " #I "*96(%[w]), %[w0]\n\t"                                                                  \
+    "vpand %[w0], %[f], %[w0]\n\t"                                                                        \
+    "vmovdqu " #I "*96+32(%[w]), %[w1]\n\t"                                                               \
+    "vpand %[w1], %[f], %[w1]\n\t"
+#define QM_U6H(I) /* 6-bit quad, rows 16..31: a nibble of bytes 64..95, two bits of bytes 0..63 */        \
+    "vmovdqu " #I "*96+64(%[w]), %[w1]\n\t"                                                               \
+    "vpand %[w1], %[f], %[w0]\n\t"                                                                        \
+    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                         \
+    "vpand %[f], %[w1], %[w1]\n\t"                                                                        \
+    "vmovdqu " #I "*96(%[w]), %[t]\n\t"                                                                   \
+    "vpsrlw $2, %[t], %[t]\n\t"                                                                           \
+    "vpand %[g], %[t], %[t]\n\t"                                                                          \
+    "vpor %[t], %[w0], %[w0]\n\t"                                                                         \
+    "vmovdqu " #I "*96+32(%[w]), %[t]\n\t"                                                                \
+    "vpsrlw $2, %[t], %[t]\n\t"                                                                           \
+    "vpand %[g], %[t], %[t]\n\t"                                                                          \
+    "vpor %[t], %[w1], %[w1]\n\t"
+#define QM_U5(I, OFF) /* half h of a 5-bit quad: nibbles at OFF, the fifth bits of bytes 64..79 */  \
+    "vmovdqu " #I "*80+" OFF "(%[w]), %[w1]\n\t"                                                          \
+    "vpand %[w1], %[f], %[w0]\n\t"                                                                        \
+    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                         \
+    "vpand %[f], %[w1], %[w1]\n\t"                                                                        \
+    "vbroadcasti128 " #I "*80+64(%[w]), %[u]\n\t"                                                         \
+    "vpand %[b0], %[u], %[t]\n\t"                                                                         \
+    "vpcmpeqb %[b0], %[t], %[t]\n\t"                                                                      \
+    "vpand %[g], %[t], %[t]\n\t"                                                                          \
+    "vpor %[t], %[w0], %[w0]\n\t"                                                                         \
+    "vpand %[b1], %[u], %[t]\n\t"                                                                         \
+    "vpcmpeqb %[b1], %[t], %[t]\n\t"                                                                      \
+    "vpand %[g], %[t], %[t]\n\t"                                                                          \
+    "vpor %[t], %[w1], %[w1]\n\t"
+#define QM_U5L(I) QM_U5(I, "0")
+#define QM_U5H(I) QM_U5(I, "32")
+#define QM_U8(I) /* half h of an 8-bit quad */                                                            \
+    "vmovdqu " #I "*128(%[w]), %[w0]\n\t"                                                                \
+    "vmovdqu " #I "*128+32(%[w]), %[w1]\n\t"
+/* Q8_0's row (mac1's sign trick: |x| times the codes with x's sign), each quad's products
+ * widened at once into the int32 sums A, B (a quad's pair of products can fill an int16) */
+#define QM_ROW8_HALF(WV, S, FIRST)                                                                        \
+    "vpsignb %[x], %[" WV "], %[t]\n\t"                                                                  \
+    "vpmaddubsw %[t], %[u], %[t]\n\t"                                                                    \
+    FIRST("vpmaddwd %[f], %[t], %[" S "]\n\t", "vpmaddwd %[f], %[t], %[t]\n\tvpaddd %[t], %[" S "], %[" S "]\n\t")
+#define QM_FIRST(A, B) A
+#define QM_LATER(A, B) B
+#define QM_ROW8_0_ASM(X, A, B)                                                                            \
+    "vpbroadcastd " X ", %[x]\n\t"                                                                       \
+    "vpsignb %[x], %[x], %[u]\n\t" QM_ROW8_HALF("w0", A, QM_FIRST) QM_ROW8_HALF("w1", B, QM_FIRST)
+#define QM_ROW8_ASM(X, A, B)                                                                              \
+    "vpbroadcastd " X ", %[x]\n\t"                                                                       \
+    "vpsignb %[x], %[x], %[u]\n\t" QM_ROW8_HALF("w0", A, QM_LATER) QM_ROW8_HALF("w1", B, QM_LATER)
+#define QM_X(I, R) #I "*4(%[y" #R "])"
+#define QM_R2(I, ROW) ROW(QM_X(I, 0), "s00", "s01") ROW(QM_X(I, 1), "s10", "s11")
+#define QM_R3(I, ROW) QM_R2(I, ROW) ROW(QM_X(I, 2), "s20", "s21")
+#define QM_R4(I, ROW) QM_R3(I, ROW) ROW(QM_X(I, 3), "s30", "s31")
+
 /* acc += the products of the codes W with a quad of activations broadcast in xq: VNNI, each
  * int32 element's four in one vpdpbusd; AVX2, into int16 lanes by vpmaddubsw (the caller widens
  * after each run of QUADS_PER_RUN quads). 8-bit codes are signed, so there |x| * sign(q, x),
@@ -528,7 +595,9 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
         __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
 #if !QM_VNNI
         if (IL) {
-            const uint8_t *w = p->tile + (size_t)i0 * (IL == 2 ? 64 : 16 * BITS) + (IL == 2 ? 0 : BITS == 4 ? 32 * h : BITS == 8 ? 64 * h : 0);
+            /* quad i0 (half h's bytes where the halves lie apart: 4- and 8-bit quads) */
+            const size_t quad = IL == 2 ? 64 : 16 * BITS, half = IL == 1 && (BITS == 4 || BITS == 8) ? quad / 2 : 0;
+            const uint8_t *w = p->tile + (size_t)i0 * quad + half * (size_t)h;
             const int8_t *y0 = x0 + 4 * i0, *y1 = x1 + 4 * i0, *y2 = x2 + 4 * i0, *y3 = x3 + 4 * i0;
             /* f: the low mask (Q8_0: the widening's int16 ones); g: Q6_K's top two bits, the fifth
              * bit's 16; b: the fifth bits' masks of this half's two code vectors (load_half_il) */
@@ -537,69 +606,6 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
             const __m256i b0 = join(_mm_set1_epi8((char)(1 << (4 * h))), _mm_set1_epi8((char)(1 << (4 * h + 1))));
             const __m256i b1 = join(_mm_set1_epi8((char)(1 << (4 * h + 2))), _mm_set1_epi8((char)(1 << (4 * h + 3))));
             __m256i w0, w1, xt, tt, ut;
-#define QM_U2(I) /* unpacked codes (unpack_group's buffer) */                                             \
-    "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                  \
-    "vmovdqa " #I "*64+32(%[w]), %[w1]\n\t"
-#define QM_U4(I) /* half h of the tile's 4-bit quad (load_half_il): low nibbles, then high */           \
-    "vmovdqu " #I "*64(%[w]), %[w1]\n\t"                                                                  \
-    "vpand %[w1], %[f], %[w0]\n\t"                                                                        \
-    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                         \
-    "vpand %[f], %[w1], %[w1]\n\t"
-#define QM_U6L(I) /* 6-bit quad, rows 0..15: whole bytes, masked to 63 */                                 \
-    "vmovdqu " #I "*96(%[w]), %[w0]\n\t"                                                                  \
-    "vpand %[w0], %[f], %[w0]\n\t"                                                                        \
-    "vmovdqu " #I "*96+32(%[w]), %[w1]\n\t"                                                               \
-    "vpand %[w1], %[f], %[w1]\n\t"
-#define QM_U6H(I) /* 6-bit quad, rows 16..31: a nibble of bytes 64..95, two bits of bytes 0..63 */        \
-    "vmovdqu " #I "*96+64(%[w]), %[w1]\n\t"                                                               \
-    "vpand %[w1], %[f], %[w0]\n\t"                                                                        \
-    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                         \
-    "vpand %[f], %[w1], %[w1]\n\t"                                                                        \
-    "vmovdqu " #I "*96(%[w]), %[t]\n\t"                                                                   \
-    "vpsrlw $2, %[t], %[t]\n\t"                                                                           \
-    "vpand %[g], %[t], %[t]\n\t"                                                                          \
-    "vpor %[t], %[w0], %[w0]\n\t"                                                                         \
-    "vmovdqu " #I "*96+32(%[w]), %[t]\n\t"                                                                \
-    "vpsrlw $2, %[t], %[t]\n\t"                                                                           \
-    "vpand %[g], %[t], %[t]\n\t"                                                                          \
-    "vpor %[t], %[w1], %[w1]\n\t"
-#define QM_U5(I, OFF) /* half h of a 5-bit quad: nibbles at OFF, the fifth bits of bytes 64..79 */  \
-    "vmovdqu " #I "*80+" OFF "(%[w]), %[w1]\n\t"                                                          \
-    "vpand %[w1], %[f], %[w0]\n\t"                                                                        \
-    "vpsrlw $4, %[w1], %[w1]\n\t"                                                                         \
-    "vpand %[f], %[w1], %[w1]\n\t"                                                                        \
-    "vbroadcasti128 " #I "*80+64(%[w]), %[u]\n\t"                                                         \
-    "vpand %[b0], %[u], %[t]\n\t"                                                                         \
-    "vpcmpeqb %[b0], %[t], %[t]\n\t"                                                                      \
-    "vpand %[g], %[t], %[t]\n\t"                                                                          \
-    "vpor %[t], %[w0], %[w0]\n\t"                                                                         \
-    "vpand %[b1], %[u], %[t]\n\t"                                                                         \
-    "vpcmpeqb %[b1], %[t], %[t]\n\t"                                                                      \
-    "vpand %[g], %[t], %[t]\n\t"                                                                          \
-    "vpor %[t], %[w1], %[w1]\n\t"
-#define QM_U5L(I) QM_U5(I, "0")
-#define QM_U5H(I) QM_U5(I, "32")
-#define QM_U8(I) /* half h of an 8-bit quad */                                                            \
-    "vmovdqu " #I "*128(%[w]), %[w0]\n\t"                                                                \
-    "vmovdqu " #I "*128+32(%[w]), %[w1]\n\t"
-/* Q8_0's row (mac1's sign trick: |x| times the codes with x's sign), each quad's products
- * widened at once into the int32 sums A, B (a quad's pair of products can fill an int16) */
-#define QM_ROW8_HALF(WV, S, FIRST)                                                                        \
-    "vpsignb %[x], %[" WV "], %[t]\n\t"                                                                  \
-    "vpmaddubsw %[t], %[u], %[t]\n\t"                                                                    \
-    FIRST("vpmaddwd %[f], %[t], %[" S "]\n\t", "vpmaddwd %[f], %[t], %[t]\n\tvpaddd %[t], %[" S "], %[" S "]\n\t")
-#define QM_FIRST(A, B) A
-#define QM_LATER(A, B) B
-#define QM_ROW8_0_ASM(X, A, B)                                                                            \
-    "vpbroadcastd " X ", %[x]\n\t"                                                                       \
-    "vpsignb %[x], %[x], %[u]\n\t" QM_ROW8_HALF("w0", A, QM_FIRST) QM_ROW8_HALF("w1", B, QM_FIRST)
-#define QM_ROW8_ASM(X, A, B)                                                                              \
-    "vpbroadcastd " X ", %[x]\n\t"                                                                       \
-    "vpsignb %[x], %[x], %[u]\n\t" QM_ROW8_HALF("w0", A, QM_LATER) QM_ROW8_HALF("w1", B, QM_LATER)
-#define QM_X(I, R) #I "*4(%[y" #R "])"
-#define QM_R2(I, ROW) ROW(QM_X(I, 0), "s00", "s01") ROW(QM_X(I, 1), "s10", "s11")
-#define QM_R3(I, ROW) QM_R2(I, ROW) ROW(QM_X(I, 2), "s20", "s21")
-#define QM_R4(I, ROW) QM_R3(I, ROW) ROW(QM_X(I, 3), "s30", "s31")
 #define QM_RUN_ASM(BODY) /* the sums are the block's outputs: its first quad writes them */              \
     __asm__(BODY                                                                                          \
             : [s00] "=&x"(s00), [s01] "=&x"(s01), [s10] "=&x"(s10), [s11] "=&x"(s11), [s20] "=&x"(s20),    \
@@ -642,23 +648,6 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
 #undef QM_RUNS
 #undef QM_Q
 #undef QM_RUN_ASM
-#undef QM_R4
-#undef QM_R3
-#undef QM_R2
-#undef QM_X
-#undef QM_U6H
-#undef QM_U6L
-#undef QM_U4
-#undef QM_U2
-#undef QM_U8
-#undef QM_U5H
-#undef QM_U5L
-#undef QM_U5
-#undef QM_ROW8_ASM
-#undef QM_ROW8_0_ASM
-#undef QM_LATER
-#undef QM_FIRST
-#undef QM_ROW8_HALF
         } else
 #endif
 #pragma GCC unroll 2
