@@ -100,6 +100,8 @@ class Check:
             env: dict[str, str] | None = None) -> Step:
         """Run ``cmd`` as step ``name`` within ``cap`` seconds and the check's deadline, with
         ``env`` added to the check's environment."""
+        if name in self.args.skip:
+            return self.skip(name, "--skip")
         step = Step(name)
         self.steps.append(step)
         missing = [n.name for n in needs if n is not None and not n.ok]
@@ -440,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=["tiny", "qwen2.5-1.5b"], default=None, help="the model's shape (default: by mode)")
     p.add_argument("--deadline", type=float, default=470.0, metavar="S",
                    help="seconds for the whole check; steps past it are not run (default: %(default)s)")
+    p.add_argument("--skip", type=lambda v: {s.strip() for s in v.split(",")}, default=set(), metavar="STEPS",
+                   help="steps not to run, by name, comma-separated (e.g. 'bench spec,bench resume'): a short lease")
     args = p.parse_args(argv)
     args.repo = args.repo.resolve()
     args.work = args.work.resolve()

@@ -101,13 +101,16 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     tile_n: int | None = None,
     use_dot: bool | None = None,
+    mma: bool | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
     """The Triton decode launcher (imports triton on first call). ``window`` is
     paged_decode_attention's; the other keyword-only knobs override the launcher's choices:
-    context splits, tokens per inner step, tl.dot or not."""
+    context splits, tokens per inner step, tl.dot or not, 16-bit operands on the tensor cores
+    or not, warps per program."""
     from .triton_decode import paged_decode_attention_triton as launch
 
     return launch(
         q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
-        window=window, num_splits=num_splits, tile_n=tile_n, use_dot=use_dot,
+        window=window, num_splits=num_splits, tile_n=tile_n, use_dot=use_dot, mma=mma, num_warps=num_warps,
     )  # fmt: skip

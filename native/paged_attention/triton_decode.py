@@ -76,6 +76,8 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr,
+    MMA: tl.constexpr,
+    F32_OPS: tl.constexpr,
     WINDOWED: tl.constexpr,
     QUANT: tl.constexpr,
 ):
@@ -114,7 +116,11 @@ def _decode_kernel(
 
     q_offs = seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]  # (G, D)
     q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(tl.float32) * qk_scale  # (G, D)
+    if MMA:  # q as stored (16-bit): the tensor cores multiply it with K exactly, the scale comes after
+        if F32_OPS:
+            q = q.to(tl.float32)
+    else:
+        q = q.to(tl.float32) * qk_scale  # (G, D)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # (G,)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # (G,)
@@ -130,12 +136,21 @@ def _decode_kernel(
         tok_offs = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_tok  # (N,)
         kv_offs = tok_offs[:, None] + kvh * stride_cache_head + offs_d[None, :]  # (N, D)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (N, D)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
+        if MMA:
+            if F32_OPS:
+                k = k.to(tl.float32)
+        else:
+            k = k.to(tl.float32)
         if QUANT:  # K[t, e] = q[t, e] * d[t, e // 32]
             scale_offs = ((tok_offs + kvh * stride_cache_head + HEAD_DIM) // 2)[:, None] + offs_d[None, :] // 32  # (N, D)
             k = k * tl.load(k_scale_ptr + scale_offs, mask=kv_mask, other=0.0).to(tl.float32)
 
-        if USE_DOT:
+        if MMA and F32_OPS:  # (the CPU interpreter: float32 operands, the same values)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        elif MMA:
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # 16-bit products, float32 sums
+        elif USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (G, D) @ (D, N) -> (G, N)
         else:
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, N, D) -> (G, N)
@@ -146,10 +161,22 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])  # (G, N)
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (N, D)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
+        if not MMA:
+            v = v.to(tl.float32)
         if QUANT:
             v = v * tl.load(v_scale_ptr + scale_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        if USE_DOT:
+        if MMA:
+            # P in two 16-bit parts, P = hi + lo to about 16 bits, each times V on the tensor cores
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            if F32_OPS:
+                v32 = v.to(tl.float32)
+                pv = tl.dot(p_lo.to(tl.float32), v32, tl.dot(p_hi.to(tl.float32), v32, input_precision="ieee"),
+                            input_precision="ieee")
+            else:
+                pv = tl.dot(p_lo, v, tl.dot(p_hi, v))
+        elif USE_DOT:
             pv = tl.dot(p, v, input_precision="ieee")  # (G, N) @ (N, D) -> (G, D)
         else:
             pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (G, N, D) -> (G, D)
@@ -295,6 +322,8 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     tile_n: int | None = None,
     use_dot: bool | None = None,
+    mma: bool | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
     """Triton paged decode attention; the contract is paged_decode_attention's.
 
@@ -302,7 +331,12 @@ def paged_decode_attention_triton(
     device sync; without it the block table's width bounds the context. ``window`` > 0
     attends only the last ``window`` positions of each sequence. ``num_splits``,
     ``tile_n`` (tokens per inner step, a power of two) and ``use_dot`` (tl.dot instead of
-    broadcast products, needs tiles of at least 16) override the launcher's choices."""
+    broadcast products, needs tiles of at least 16), ``mma`` (with tl.dot and a 16-bit cache that
+    q matches: the cache's own values on the tensor cores, see below) and ``num_warps`` override
+    the launcher's choices.
+
+    On an H200 the float32 dot of 64-token tiles spilled a thousand registers and took 160 us a
+    layer for 100 tokens of Qwen2.5-1.5B's attention; 8 warps took 29 (`packaging/gpu_kernels.py`)."""
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens, window)
     interpret = interpreting()
     if not q.is_cuda and not interpret:
@@ -330,6 +364,13 @@ def paged_decode_attention_triton(
         # group already has 8, and the broadcast product would need too many registers.
         use_dot = q.is_cuda and group_pow2 >= 8 and head_dim_pad >= 16
     group_pad = max(group_pow2, 16) if use_dot else group_pow2
+    sixteen_bit = q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)
+    if mma is None:
+        mma = use_dot and q.is_cuda and sixteen_bit
+    if mma and not (use_dot and sixteen_bit):
+        raise ValueError("mma needs tl.dot and q in the cache's 16-bit dtype")
+    if num_warps is None and q.is_cuda:
+        num_warps = 8 if use_dot and not mma else 4
     if tile_n is None:
         # Keep the (G, N, D) broadcast product of the non-dot path near 8K fp32 values.
         tile_n = 64 if use_dot else max(16, min(64, 8192 // (group_pad * head_dim_pad)))
@@ -359,7 +400,8 @@ def paged_decode_attention_triton(
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile_n,
-        NUM_SPLITS=plan.num_splits, USE_DOT=use_dot, WINDOWED=window > 0, QUANT=quant,
+        NUM_SPLITS=plan.num_splits, USE_DOT=use_dot, MMA=mma, F32_OPS=interpret, WINDOWED=window > 0, QUANT=quant,
+        **({} if num_warps is None else {"num_warps": num_warps}),
     )  # fmt: skip
     if plan.num_splits > 1:
         merge_kernel[(batch, n_heads)](

@@ -166,6 +166,20 @@ def test_triton_decode_dot_path_pads_the_group() -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_decode_mma_path(dtype: torch.dtype, num_splits: int) -> None:
+    # The cache's 16-bit values on the tensor cores (what CUDA runs for a bf16 or fp16 cache),
+    # P in two 16-bit parts; here on float32 operands of the same values. Qwen2.5-1.5B's heads.
+    case = make_case([12, 130, 1, 47], 16, 12, 2, 128, dtype=dtype, seed=11)
+    expected = run_reference(case)
+    assert_close(run_triton(case, max_context_len=130, use_dot=True, mma=True, num_splits=num_splits, tile_n=32),
+                 expected)
+    with pytest.raises(ValueError, match="mma needs"):
+        run_triton(make_case([5], 16, 12, 2, 128, seed=1), use_dot=True, mma=True)  # a float32 cache
+
+
+@needs_triton
 def test_triton_decode_strided_q() -> None:
     # q as a view into a fused (B, H + 2 * n_kv, D) projection output.
     case = make_case([20, 9], 8, *STARTER, seed=7)
