@@ -57,7 +57,7 @@ def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Proj
 
 def native_quant(
     device: torch.device, dtype: torch.dtype, spec: ModelSpec, sparse: bool | Callable[[QuantRows], bool] = False,
-    ahead: PackAhead | None = None,
+    ahead: PackAhead | None = None, mode: str | None = None,
 ) -> QuantFactory | None:
     """The layer for the GGUF quantized projections of ``spec``'s file on this device: the
     int8-activation kernels reading each tensor in its own bytes (every type of
@@ -67,10 +67,10 @@ def native_quant(
     Activations as `gguf_parts.activations` says: with fp32 the 4-bit types keep the INT4
     kernels (closer to an exact reference, slower: see docs/backends.md), and only the others
     take the int8 path. ``ahead``: the dense layout of projections packed beforehand
-    (`gguf_parts.start_packing`)."""
+    (`gguf_parts.start_packing`). ``mode`` ("int8" or "fp32") overrides the activations."""
     if native_int4(device, dtype) is None:
         return None
-    mode = activations(spec)
+    mode = mode or activations(spec)
 
     def build(parts: list[QuantRows], bias: torch.Tensor | None) -> QuantProjection | None:
         if mode == "fp32" and all(p.qtype in INT4_TYPES for p in parts):

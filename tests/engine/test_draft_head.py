@@ -111,3 +111,24 @@ def test_a_grammar_that_allows_only_tokens_the_head_lacks_stops_the_draft(monkey
         assert done.stats.drafted_tokens == done.stats.accepted_tokens
         sampled = reply(e, SamplingParams(temperature=0.9, seed=3, max_tokens=20, grammar=grammar))
         assert sampled.text in ("Photosynthesis in green leaves", "Volcanic eruptions underwater")
+
+
+def test_a_4bit_draft_takes_the_int8_kernels(tmp_path) -> None:
+    # A file of 4-bit tensors alone runs on the INT4 kernels of fp32 activations as a target
+    # (its numbers independent of batching); as a draft, whose numbers only propose, on the
+    # faster int8 kernels.
+    from llmlocal.engine.model.sparse_linear import QuantProjection
+    from llmlocal.quant.synthetic import random_gguf
+
+    path = random_gguf(tmp_path / "draft-q4_0.gguf", shape="smollm2-135m", qtype="q4_0")
+    draft = resolve(str(path))
+    cpu = torch.device("cpu")
+    as_target = load_gguf(draft.spec, cpu, torch.float32, "auto", max_position=256, int4=native_int4(cpu, torch.float32),
+                          quant=native_quant(cpu, torch.float32, draft.spec))
+    as_draft = paged_setup.load_draft(draft, cpu, torch.float32, 256)
+
+    def kinds(net: torch.nn.Module) -> set[str]:
+        return {type(m).__name__ for m in net.modules() if isinstance(m, torch.nn.Module) and "Projection" in type(m).__name__}
+
+    assert kinds(as_draft) == {QuantProjection.__name__}
+    assert QuantProjection.__name__ not in kinds(as_target)
