@@ -94,7 +94,8 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan_split_k(n: int, k: int, m_tiles: int, num_sms: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> tuple[int, int]:
+def plan_split_k(n: int, k: int, m_tiles: int, num_sms: int, block_n: int = BLOCK_N,
+                 block_k: int = BLOCK_K) -> tuple[int, int]:
     """(split_k, inputs per split): slices of whole chunks, enough programs for about two per
     SM where the columns alone give fewer, at most MAX_SPLIT_K."""
     chunks = -(-k // block_k)
