@@ -94,14 +94,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan_split_k(n: int, k: int, m_tiles: int, num_sms: int, block_n: int = BLOCK_N,
-                 block_k: int = BLOCK_K) -> tuple[int, int]:
-    """(split_k, inputs per split): slices of whole chunks, enough programs for about two per
-    SM where the columns alone give fewer, at most MAX_SPLIT_K."""
+def plan_split_k(n: int, k: int, m_tiles: int, num_sms: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+                 split_k: int | None = None) -> tuple[int, int]:
+    """(split_k, inputs per split): slices of whole chunks; unless ``split_k`` asks for a number,
+    enough programs for about two per SM where the columns alone give fewer, at most MAX_SPLIT_K."""
     chunks = -(-k // block_k)
-    programs = -(-n // block_n) * m_tiles
-    split = max(1, min(chunks, -(-2 * num_sms // programs), MAX_SPLIT_K))
-    per = -(-chunks // split) * block_k
+    if split_k is None:
+        programs = -(-n // block_n) * m_tiles
+        split_k = min(chunks, -(-2 * num_sms // programs), MAX_SPLIT_K)
+    per = -(-chunks // max(1, split_k)) * block_k
     return -(-k // per), per
 
 
@@ -122,12 +123,7 @@ def int8_matmul(x: Tensor, codes: Tensor, scale: Tensor, *, block_n: int = BLOCK
     x, codes = x.contiguous(), codes.contiguous()
     m_tiles = -(-m // ROWS)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 16
-    if split_k is None:
-        split, per = plan_split_k(n, k, m_tiles, sms, block_n, block_k)
-    else:
-        chunks = -(-k // block_k)
-        per = -(-chunks // max(1, split_k)) * block_k
-        split = -(-k // per)
+    split, per = plan_split_k(n, k, m_tiles, sms, block_n, block_k, split_k)
     out = torch.empty((m, n) if split == 1 else (split, m, n), device=x.device,
                       dtype=x.dtype if split == 1 else torch.float32)
     if m == 0 or n == 0:
