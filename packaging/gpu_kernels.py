@@ -1,6 +1,7 @@
 """Kernel timings on a GPU for the decode step's parts, at Qwen2.5-1.5B's shapes: paged decode
 attention under several launch settings, the INT4 projections and the output head through
-torch's ops, cuBLAS in bf16 and our Triton INT8 kernel (`native.int8_matmul`). One JSON line per
+torch's ops, cuBLAS in bf16 and our Triton INT8 and INT4 kernels (`native.quant_matmul`), at 1,
+4 and 16 rows (a decode step) and 512 (a prompt). One JSON line per
 measurement on stdout. Each time is a CUDA graph of 20 calls replayed, divided by 20: the GPU's
 own time, without Python's launch cost.
 
@@ -87,7 +88,8 @@ def attention(quick: bool) -> None:
 
 
 def linears(quick: bool) -> None:
-    from llmlocal.native.int8_matmul import triton_int8 as ti
+    from llmlocal.native.quant_matmul import triton_int4 as t4
+    from llmlocal.native.quant_matmul import triton_int8 as ti
 
     shapes = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960),
               "head": (151936, 1536)}
@@ -105,18 +107,20 @@ def linears(quick: bool) -> None:
         s8 = (torch.rand(n, device="cuda") * 0.01).to(dtype)
         dense = torch.randn(n, k, device="cuda", dtype=dtype)
         sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+        packed = t4.pack_int4(codes)
         tiny = {}
         for tiles in (2, 4, 8):
             u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
             tiny[tiles] = torch.ops.aten._convert_weight_to_int4pack(u8, tiles)
         w64 = (codes.double() - 8) * scale.double().repeat_interleave(g, 1) + zero.double().repeat_interleave(g, 1)
-        for m in (1, 4, 16):
+        for m in (1, 4, 16) if quick else (1, 4, 16, 512):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = x.double() @ w64.T
             runs: dict[str, tuple[Callable[[], torch.Tensor], int]] = {
                 "bf16 cublas": (lambda: torch.nn.functional.linear(x, dense), n * k * 2),
-                "int8pack_mm": (lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8), n * k),
             }
+            if m <= 16:  # (8 ms at 16 rows of the head already)
+                runs["int8pack_mm"] = (lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8), n * k)
             for tiles, w in tiny.items():
                 runs[f"tinygemm int4 tiles {tiles}"] = ((lambda w=w: torch.ops.aten._weight_int4pack_mm(x, w, g, sz)),
                                                         int4_bytes)
@@ -124,6 +128,10 @@ def linears(quick: bool) -> None:
                 runs[f"triton int8 {bn}x{bk} w{warps}"] = (
                     lambda bn=bn, bk=bk, warps=warps: ti.int8_matmul(x, q8, s8, block_n=bn, block_k=bk, num_warps=warps),
                     n * k)
+                for bm in (16,) if m <= 16 else (64, 128):
+                    runs[f"triton int4 m{bm} {bn}x{bk} w{warps}"] = (
+                        lambda bn=bn, bk=bk, warps=warps, bm=bm: t4.int4_matmul(
+                            x, packed, scale, zero, g, block_m=bm, block_n=bn, block_k=bk, num_warps=warps), int4_bytes)
             for label, (fn, nbytes) in runs.items():
                 try:
                     us = gpu_us(fn)
@@ -137,6 +145,7 @@ def linears(quick: bool) -> None:
                     emit(part="linear", shape=name, m=m, impl=label, error=repr(e)[:200])
         torch.cuda.empty_cache()
     emit(part="int8-compiled", variants=compiled_info(ti._jitted(False)))
+    emit(part="int4-compiled", variants=compiled_info(t4._jitted(False)))
 
 
 def main() -> None:

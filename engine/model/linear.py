@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmlocal.native.int8_matmul import int8_matmul
+from llmlocal.native.quant_matmul import int8_matmul
 
 
 class DenseLinear(nn.Module):
@@ -104,7 +104,7 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])  # (M, K)
         if self.qweight.is_cuda:
             # our Triton kernel: torch's CUDA op read a 1.5B model's head at 0.23 TB/s at one
-            # row and 0.03 at 16 (H200), this at 3.9 and 3.7 (native.int8_matmul)
+            # row and 0.03 at 16 (H200), this at 3.9 and 3.7 (native.quant_matmul)
             y = int8_matmul(x2, self.qweight, self.scale.to(x.dtype))
         else:
             # on CPU the op is several times faster with bf16 activations than with fp32
