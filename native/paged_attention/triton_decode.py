@@ -19,6 +19,13 @@ With one split the decode kernel writes the final output and the merge is skippe
 A q8_0 cache (`kv_quant`) is read as int8 values and an fp16 scale per 32 of them: a tile's K
 and V are loaded as int8 (about half the bytes of f16) and scaled as they are converted.
 
+On CUDA with a bf16 or fp16 cache and q of the same dtype (``MMA``), the tensor cores multiply
+the stored values themselves: the scores are q . K with float32 sums (products of two 16-bit
+values are exact), scaled after; P . V takes P in two 16-bit parts, hi = P rounded and lo = P -
+hi rounded, so P is carried to about 16 bits and the output keeps float32's accuracy to within
+the cache's own rounding. Float32 and q8_0 caches take the float32 dot (IEEE, no TF32). In the
+CPU interpreter (``F32_OPS``) the same values go through float32 operands.
+
 This module imports triton; ``llmlocal.native.paged_attention`` imports it only when the
 Triton path runs.
 """
@@ -332,11 +339,12 @@ def paged_decode_attention_triton(
     attends only the last ``window`` positions of each sequence. ``num_splits``,
     ``tile_n`` (tokens per inner step, a power of two) and ``use_dot`` (tl.dot instead of
     broadcast products, needs tiles of at least 16), ``mma`` (with tl.dot and a 16-bit cache that
-    q matches: the cache's own values on the tensor cores, see below) and ``num_warps`` override
-    the launcher's choices.
+    q matches: the cache's own values on the tensor cores, see the module's docstring) and
+    ``num_warps`` override the launcher's choices.
 
-    On an H200 the float32 dot of 64-token tiles spilled a thousand registers and took 160 us a
-    layer for 100 tokens of Qwen2.5-1.5B's attention; 8 warps took 29 (`packaging/gpu_kernels.py`)."""
+    On an H200, for 100 tokens of Qwen2.5-1.5B's attention (12 query heads, 2 KV heads): the
+    float32 dot of 64-token tiles spilled a thousand registers and took 160 us a layer, 29 with
+    8 warps; the tensor-core path 6.8 (`packaging/gpu_kernels.py`)."""
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens, window)
     interpret = interpreting()
     if not q.is_cuda and not interpret:
