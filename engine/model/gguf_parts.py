@@ -94,18 +94,14 @@ def native_rows(t: GGUFTensors, name: str, fix: RowFix = same) -> QuantRows | No
 
 
 def default_activations(spec: ModelSpec) -> str:
-    """fp32 for a file whose projections are all 4-bit (Q4_0, Q4_1, Q4_K) on a CPU with AVX-512:
-    the INT4 kernels take fp32 activations, and every path - prefill GEMM, batched and single
-    decode - computes the same numbers to float rounding, so greedy output does not depend on
-    batching or the prefix cache. int8 elsewhere: for a mix with other types (Q4_K_M files),
-    whose other types have no fp32 kernel (they would otherwise run as torch layers, 4x slower on
-    the 1.5B), and on a CPU without AVX-512, where the INT4 kernels of fp32 activations are the
-    slow path (a Q4_0 0.5B on a Zen 3: 25.9 tok/s, the int8 kernels 43.0, llama.cpp 39.2).
-    Rounding activations makes the paths differ by more than float rounding: greedy output may
-    then change with batching."""
+    """fp32 for a file whose projections are all 4-bit (Q4_0, Q4_1, Q4_K: the INT4 kernels take
+    fp32 activations, and every path - prefill GEMM, batched and single decode - computes the
+    same numbers to float rounding, so greedy output does not depend on batching or the prefix
+    cache); int8 for a mix with other types (Q4_K_M files), whose other types have no fp32
+    kernel (they would otherwise run as torch layers, 4x slower on the 1.5B). Rounding activations makes the paths differ
+    by more than float rounding: greedy output may then change with batching."""
     types = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
-    four_bit = bool(types) and types <= INT4_TYPES
-    return "fp32" if four_bit and runtime.built() and runtime.best_isa() == "avx512" else "int8"
+    return "fp32" if types and types <= INT4_TYPES else "int8"
 
 
 def activations(spec: ModelSpec) -> str:
