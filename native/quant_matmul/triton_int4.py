@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_int8 import _interpreting, _sm_count, plan_split_k
+from .triton_int8 import launch
 
 BLOCK_N = 64
 BLOCK_K = 128
@@ -108,26 +108,12 @@ def int4_matmul(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group: in
     -> (M, N) in x's dtype."""
     if x.dim() != 2 or codes.dim() != 2 or codes.dtype != torch.uint8 or 2 * codes.shape[1] != x.shape[1]:
         raise ValueError(f"int4_matmul: x {tuple(x.shape)} and packed codes {tuple(codes.shape)} do not match")
-    m, k = x.shape
+    k = x.shape[1]
     n = codes.shape[0]
     if k % group or scale.shape != (n, k // group) or zero.shape != scale.shape:
         raise ValueError(f"int4_matmul: {n} rows of {k} inputs in groups of {group} need scales and zeros of shape "
                          f"{(n, k // group)}, got {tuple(scale.shape)} and {tuple(zero.shape)}")
     if block_k % group or block_k % 32 or block_n % 16 or block_m % 16:
         raise ValueError("int4_matmul: block_k must be a multiple of the group and of 32, block_m and block_n of 16")
-    interpret = _interpreting()
-    if not x.is_cuda and not interpret:
-        raise ValueError("int4_matmul needs CUDA tensors, or TRITON_INTERPRET=1 to run on the CPU")
-    x, codes = x.contiguous(), codes.contiguous()
-    m_tiles = -(-m // block_m)
-    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 16
-    split, per = plan_split_k(n, k, m_tiles, sms, block_n, block_k, split_k)
-    out = torch.empty((m, n) if split == 1 else (split, m, n), device=x.device,
-                      dtype=x.dtype if split == 1 else torch.float32)
-    if m == 0 or n == 0:
-        return out if split == 1 else out.sum(0).to(x.dtype)
-    _jitted(interpret)[(triton.cdiv(n, block_n), split, m_tiles)](
-        x, codes, scale.contiguous(), zero.contiguous(), out, m, n, k, per, GROUP=group, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, F32_DOT=interpret or x.dtype == torch.float32,
-        num_warps=num_warps)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    return launch("int4_matmul", _jitted, x, (codes.contiguous(), scale.contiguous(), zero.contiguous()), n, block_m,
+                  block_n, block_k, split_k, num_warps, GROUP=group)

@@ -18,6 +18,7 @@ On an H200 (torch 2.11, the 1.5B shape's 151,936 x 1,536 head) this reads 3.9 TB
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -39,31 +40,32 @@ def _int8_kernel(
     N,
     K,
     k_per_split,  # a multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
     # out[m, n] = scale[n] * sum_k x[m, k] q[n, k]; this program: columns pid_n * BLOCK_N ..,
-    # rows pid_m * 16 .., inputs [pid_k * k_per_split, (pid_k + 1) * k_per_split) & [0, K).
+    # rows pid_m * BLOCK_M .., inputs [pid_k * k_per_split, (pid_k + 1) * k_per_split) & [0, K).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    offs_m = pid_m * 16 + tl.arange(0, 16)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
     q_rows = q_ptr + offs_n[:, None].to(tl.int64) * K  # (BN, 1)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * K  # (16, 1)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * K  # (BM, 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < k_end
         codes = tl.load(q_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)  # (BN, BK)
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (16, BK)
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BM, BK)
         w = codes.to(tl.float32)
         if F32_DOT:  # float32 x, or the CPU interpreter (whose dot of bf16 operands is wrong): the same values
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
@@ -106,29 +108,37 @@ def plan_split_k(n: int, k: int, m_tiles: int, num_sms: int, block_n: int = BLOC
     return -(-k // per), per
 
 
-def int8_matmul(x: Tensor, codes: Tensor, scale: Tensor, *, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                split_k: int | None = None, num_warps: int = 4) -> Tensor:
+def int8_matmul(x: Tensor, codes: Tensor, scale: Tensor, *, block_m: int = ROWS, block_n: int = BLOCK_N,
+                block_k: int = BLOCK_K, split_k: int | None = None, num_warps: int = 4) -> Tensor:
     """(M, K) x against (N, K) int8 codes with (N,) row scales -> (M, N) in x's dtype."""
     if x.dim() != 2 or codes.dim() != 2 or codes.dtype != torch.int8 or codes.shape[1] != x.shape[1]:
         raise ValueError(f"int8_matmul: x {tuple(x.shape)} and int8 codes {tuple(codes.shape)} do not match")
-    m, k = x.shape
     n = codes.shape[0]
     if scale.shape != (n,):
         raise ValueError(f"int8_matmul: {n} rows of codes need {n} scales, got {tuple(scale.shape)}")
-    if block_k % 16 or block_n % 16:
-        raise ValueError("int8_matmul: block_n and block_k must be multiples of 16")
+    if block_k % 16 or block_n % 16 or block_m % 16:
+        raise ValueError("int8_matmul: block_m, block_n and block_k must be multiples of 16")
+    return launch("int8_matmul", _jitted, x, (codes.contiguous(), scale), n, block_m, block_n, block_k, split_k,
+                  num_warps)
+
+
+def launch(name: str, jitted: Callable[[bool], object], x: Tensor, weights: tuple[Tensor, ...], n: int, block_m: int,
+           block_n: int, block_k: int, split_k: int | None, num_warps: int, **constexprs: int) -> Tensor:
+    """Run a weight-only matmul kernel of this package's signature - (x, *weights, out, M, N, K,
+    k_per_split, [constexprs], BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, F32_DOT) - over (column tiles,
+    K slices, row tiles), and add the slices' float32 partial sums in a fixed order."""
     interpret = _interpreting()
     if not x.is_cuda and not interpret:
-        raise ValueError("int8_matmul needs CUDA tensors, or TRITON_INTERPRET=1 to run on the CPU")
-    x, codes = x.contiguous(), codes.contiguous()
-    m_tiles = -(-m // ROWS)
+        raise ValueError(f"{name} needs CUDA tensors, or TRITON_INTERPRET=1 to run on the CPU")
+    x = x.contiguous()
+    m, k = x.shape
+    m_tiles = -(-m // block_m)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 16
     split, per = plan_split_k(n, k, m_tiles, sms, block_n, block_k, split_k)
     out = torch.empty((m, n) if split == 1 else (split, m, n), device=x.device,
                       dtype=x.dtype if split == 1 else torch.float32)
-    if m == 0 or n == 0:
-        return out if split == 1 else out.sum(0).to(x.dtype)
-    _jitted(interpret)[(triton.cdiv(n, block_n), split, m_tiles)](
-        x, codes, scale, out, m, n, k, per, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-        F32_DOT=interpret or x.dtype == torch.float32, num_warps=num_warps)
+    if m and n:
+        jitted(interpret)[(triton.cdiv(n, block_n), split, m_tiles)](
+            x, *weights, out, m, n, k, per, **constexprs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            SPLIT_K=split, F32_DOT=interpret or x.dtype == torch.float32, num_warps=num_warps)
     return out if split == 1 else out.sum(0).to(x.dtype)
