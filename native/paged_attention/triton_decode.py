@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import triton_device
+from ..triton_device import interpreting
 from .kv_quant import is_q8
 from .reference import check_decode_args
 
@@ -48,9 +50,6 @@ from .reference import check_decode_args
 _LOG2_E = 1.4426950408889634
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 256
-# Stand-in for the SM count when kernels run in the CPU interpreter, so that the split logic
-# behaves as it would on a mid-size GPU.
-_INTERPRETER_SMS = 16
 
 
 def _decode_kernel(
@@ -261,11 +260,6 @@ def _merge_kernel(
     tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def interpreting() -> bool:
-    """True when triton.jit would now wrap kernels for its CPU interpreter (TRITON_INTERPRET)."""
-    return bool(triton.knobs.runtime.interpret)
-
-
 @functools.lru_cache(maxsize=None)
 def jitted_kernels(interpret: bool) -> tuple[object, object]:
     """The decode and merge kernels, wrapped by triton.jit on first use.
@@ -303,17 +297,6 @@ def plan_splits(
     # Round each split up to whole tiles; rounding may leave fewer splits than asked for.
     tokens_per_split = math.ceil(math.ceil(max_context_len / num_splits) / tile_n) * tile_n
     return SplitPlan(max(1, math.ceil(max_context_len / tokens_per_split)), tokens_per_split)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def paged_decode_attention_triton(
@@ -389,7 +372,7 @@ def paged_decode_attention_triton(
     if window > 0:
         # The walk starts less than min(tile_n, block_size) tokens before the window.
         walked_len = min(max_context_len, window + min(tile_n, block_size) - 1)
-    plan = plan_splits(walked_len, batch * n_kv, _num_sms(q.device), tile_n, num_splits)
+    plan = plan_splits(walked_len, batch * n_kv, triton_device.num_sms(q.device), tile_n, num_splits)
     decode_kernel, merge_kernel = jitted_kernels(interpret)
 
     out = torch.empty_like(q)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .kv_quant import is_q8
 from .reference import check_write_kv_args
-from .triton_decode import interpreting
+from ..triton_device import interpreting
 
 
 quantize_rows = None  # _quantize_rows, wrapped by jitted_kernel in the mode the kernel runs in

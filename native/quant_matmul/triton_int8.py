@@ -25,6 +25,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import triton_device
+from ..triton_device import interpreting
+
 ROWS = 16  # rows of x per program: the tensor cores' smallest tile
 BLOCK_N = 64
 BLOCK_K = 128
@@ -87,15 +90,6 @@ def _jitted(interpret: bool) -> object:
     return triton.jit(_int8_kernel)
 
 
-def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def plan_split_k(n: int, k: int, m_tiles: int, num_sms: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
                  split_k: int | None = None) -> tuple[int, int]:
     """(split_k, inputs per split): slices of whole chunks; unless ``split_k`` asks for a number,
@@ -127,14 +121,13 @@ def launch(name: str, jitted: Callable[[bool], object], x: Tensor, weights: tupl
     """Run a weight-only matmul kernel of this package's signature - (x, *weights, out, M, N, K,
     k_per_split, [constexprs], BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, F32_DOT) - over (column tiles,
     K slices, row tiles), and add the slices' float32 partial sums in a fixed order."""
-    interpret = _interpreting()
+    interpret = interpreting()
     if not x.is_cuda and not interpret:
         raise ValueError(f"{name} needs CUDA tensors, or TRITON_INTERPRET=1 to run on the CPU")
     x = x.contiguous()
     m, k = x.shape
     m_tiles = -(-m // block_m)
-    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 16
-    split, per = plan_split_k(n, k, m_tiles, sms, block_n, block_k, split_k)
+    split, per = plan_split_k(n, k, m_tiles, triton_device.num_sms(x.device), block_n, block_k, split_k)
     out = torch.empty((m, n) if split == 1 else (split, m, n), device=x.device,
                       dtype=x.dtype if split == 1 else torch.float32)
     if m and n:
