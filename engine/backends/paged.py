@@ -94,7 +94,7 @@ class PagedBackend(LocalBackend):
             self.blocks,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(max_batched_tokens, max_num_seqs),
-            max_model_len=n_ctx,
+            max_model_len=n_ctx, tail_alone=runner.prompt_rows_vary,
         )
         self._ids = itertools.count()
         self._lock = threading.Lock()

@@ -14,6 +14,7 @@ from llmlocal.models.fingerprint import model_fingerprint
 from ..core.kv_disk import DiskTier, namespace
 from ..core.model_runner import ModelRunner
 from ..model.fast_decode import native_int4, native_quant
+from ..model.gguf_parts import activations
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf, load_hf
 from ..plan import Plan, paged_kv_dtype
@@ -93,6 +94,8 @@ def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner) -> Dis
         from llmlocal.native.cpu import runtime
 
         kernels = runtime.isa() if runtime.built() else "none"
+        if kernels != "none" and model.spec.format == "gguf":  # int8 and fp32 activations give other KV
+            kernels += f"|acts={activations(model.spec)}"
     numerics = (f"paged|{runner.device.type}|{net.dtype}|kv={k.dtype}|weights={plan.weights}|kernels={kernels}"
                 f"|rope={rope.hexdigest()}")
     ns = namespace(model_fingerprint(model.path), numerics, runner.block_size, tuple(k.shape[1:]) + (len(runner.kv_caches),))

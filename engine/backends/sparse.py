@@ -32,6 +32,7 @@ from llmlocal.native.cpu.qlayout import QuantRows
 
 from ..core.block_manager import block_key
 from ..model.fast_decode import FastDecode, native_quant
+from ..model.gguf_parts import activations
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf
 from ..model.sparse_linear import SparseInt4Projection, SparseProjection, ThresholdedLinear
@@ -120,7 +121,8 @@ class SparseBackend(PagedBackend):
                   ahead: PackAhead | None = None) -> LlamaModel:
         # (``ahead`` unused: the sparse layout keeps columns apart, which the loader packs itself)
         net = load_gguf(model.spec, device, dtype, "auto", max_position=n_ctx, int4=SparseInt4Projection,
-                        quant=native_quant(device, dtype, model.spec, sparse=column_layout(model.spec, plan.sparsity)))
+                        quant=native_quant(device, dtype, model.spec, sparse=column_layout(model.spec, plan.sparsity),
+                                           mode=activations(model.spec, sparse=True)))
         for layer in net.layers:
             for attr in ("qkv", "o_proj", "gate_up", "down"):
                 inner = getattr(layer, attr)

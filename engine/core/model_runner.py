@@ -97,6 +97,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_blocks, self.block_size)
 
     @property
+    def prompt_rows_vary(self) -> bool:
+        """Whether a prompt's last rows would compute other numbers on a prefix-cache hit than
+        cold: on the CPU where a hit's few rows run as decode rows (`native_rows`) and prompt rows
+        do not take the tiles (the scheduler's ``tail_alone`` then computes them alone cold too)."""
+        return self.native_rows > 1 and not (self.prompt_tiles and runtime.qmat_tiles())
+
+    @property
     def kv_bytes(self) -> int:
         k, _ = self.kv_caches[0]
         return 2 * len(self.kv_caches) * k.numel() * k.element_size()

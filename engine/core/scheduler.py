@@ -118,7 +118,13 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
+        tail_alone: bool = False,
     ) -> None:
+        """``tail_alone``: a prefill stops before the rows a prefix-cache hit on the same tokens
+        would compute (those after the last cacheable block), which then run as a chunk of their
+        own, as on a hit: for a runner whose prompt rows' numbers depend on the chunk they are
+        in (int8 activations without the bfloat16 tiles), so that the same prompt gives the
+        same reply cold and warm."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         # Every running sequence needs at least one token per step, so the budget must cover
@@ -133,6 +139,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len  # the context window; None: only the pool limits
+        self.tail_alone = tail_alone
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
@@ -394,6 +401,12 @@ class Scheduler:
     def _plan(self, planned: dict[int, ScheduledSeq], seq: Sequence, budget: int) -> int:
         need = seq.num_uncomputed_tokens
         count = min(need, budget)
+        if self.tail_alone and need > 1 and not seq.num_draft_tokens:
+            # a hit computes the tokens from the block holding the last one on (BlockManager)
+            bs = self.block_manager.block_size
+            tail = (seq.num_tokens - 1) // bs * bs
+            if seq.num_computed_tokens < tail < seq.num_computed_tokens + count:
+                count = tail - seq.num_computed_tokens
         planned[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, count, samples=count == need)
         return count
 

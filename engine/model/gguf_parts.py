@@ -93,21 +93,33 @@ def native_rows(t: GGUFTensors, name: str, fix: RowFix = same) -> QuantRows | No
     return file_rows(t.raw(name), info.ggml_type, fix, name) if native_reads(info) else None
 
 
-def default_activations(spec: ModelSpec) -> str:
-    """fp32 for a file whose projections are all 4-bit (Q4_0, Q4_1, Q4_K: the INT4 kernels take
-    fp32 activations, and every path - prefill GEMM, batched and single decode - computes the
-    same numbers to float rounding, so greedy output does not depend on batching or the prefix
-    cache); int8 for a mix with other types (Q4_K_M files), whose other types have no fp32
-    kernel (they would otherwise run as torch layers, 4x slower on the 1.5B). Rounding activations makes the paths differ
-    by more than float rounding: greedy output may then change with batching."""
+def four_bit_only(spec: ModelSpec) -> bool:
+    """Whether every projection of the file is Q4_0, Q4_1 or Q4_K: the types the INT4 kernels of
+    fp32 activations (and the sparse backend's column-skipping ones) read."""
     types = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
-    return "fp32" if types and types <= INT4_TYPES else "int8"
+    return bool(types) and types <= INT4_TYPES
 
 
-def activations(spec: ModelSpec) -> str:
+def default_activations(spec: ModelSpec, sparse: bool = False) -> str:
+    """fp32 for a file whose projections are all 4-bit on a CPU with AVX-512: the INT4 kernels
+    take fp32 activations, and every path - prefill GEMM, batched and single decode - computes
+    the same numbers to float rounding, so greedy output does not depend on batching or the
+    prefix cache. int8 elsewhere: for a mix with other types (Q4_K_M files), whose other types
+    have no fp32 kernel (they would otherwise run as torch layers, 4x slower on the 1.5B), and on
+    a CPU without AVX-512, where the INT4 kernels of fp32 activations are the slow path (a Q4_0
+    0.5B on a Zen 3: 25.9 tok/s, the int8 kernels 43.0, llama.cpp 39.2). Rounding activations
+    makes the paths differ by more than float rounding: greedy output may then change with
+    batching. ``sparse``: for the sparse backend, whose 4-bit files take its INT4 kernels (fp32)
+    on every CPU: skipping zeroed inputs' columns is what it is for."""
+    if not four_bit_only(spec):
+        return "int8"
+    return "fp32" if sparse or (runtime.built() and runtime.best_isa() == "avx512") else "int8"
+
+
+def activations(spec: ModelSpec, sparse: bool = False) -> str:
     """The native kernels' activations for this file: LLMLOCAL_NATIVE_ACTIVATIONS=int8|fp32, or
     `default_activations`."""
-    mode = (os.environ.get("LLMLOCAL_NATIVE_ACTIVATIONS") or default_activations(spec)).strip().lower()
+    mode = (os.environ.get("LLMLOCAL_NATIVE_ACTIVATIONS") or default_activations(spec, sparse)).strip().lower()
     if mode not in ("int8", "fp32"):
         raise LLMLocalError(f"LLMLOCAL_NATIVE_ACTIVATIONS must be int8 or fp32, not {mode!r}.")
     return mode

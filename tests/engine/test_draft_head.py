@@ -114,9 +114,9 @@ def test_a_grammar_that_allows_only_tokens_the_head_lacks_stops_the_draft(monkey
 
 
 def test_a_4bit_draft_takes_the_int8_kernels(tmp_path) -> None:
-    # A file of 4-bit tensors alone runs on the INT4 kernels of fp32 activations as a target
-    # (its numbers independent of batching); as a draft, whose numbers only propose, on the
-    # faster int8 kernels.
+    # A file of 4-bit tensors alone runs on the INT4 kernels of fp32 activations as a target on
+    # AVX-512 (its numbers independent of batching); as a draft, whose numbers only propose,
+    # always on the faster int8 kernels.
     from llmlocal.engine.model.sparse_linear import QuantProjection
     from llmlocal.quant.synthetic import random_gguf
 
@@ -124,7 +124,7 @@ def test_a_4bit_draft_takes_the_int8_kernels(tmp_path) -> None:
     draft = resolve(str(path))
     cpu = torch.device("cpu")
     as_target = load_gguf(draft.spec, cpu, torch.float32, "auto", max_position=256, int4=native_int4(cpu, torch.float32),
-                          quant=native_quant(cpu, torch.float32, draft.spec))
+                          quant=native_quant(cpu, torch.float32, draft.spec, mode="fp32"))
     as_draft = paged_setup.load_draft(draft, cpu, torch.float32, 256)
 
     def kinds(net: torch.nn.Module) -> set[str]:

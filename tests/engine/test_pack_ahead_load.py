@@ -52,12 +52,14 @@ def check(model: str) -> None:
 
 
 def test_the_starter_with_int8_activations(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMLOCAL_NATIVE_ACTIVATIONS", "int8")  # its Q4_1 layers otherwise take the INT4 kernels
+    monkeypatch.setenv("LLMLOCAL_NATIVE_ACTIVATIONS", "int8")  # (on AVX-512 its Q4_1 layers take the INT4 kernels)
     check(resolve().path)
 
 
-def test_nothing_is_packed_ahead_for_the_int4_kernels() -> None:
-    assert start_packing(resolve().spec) is None  # the starter's 4-bit layers: fp32 activations, INT4 layout
+def test_nothing_is_packed_ahead_for_the_int4_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the starter's 4-bit layers with fp32 activations (its default on AVX-512): the INT4 layout
+    monkeypatch.setenv("LLMLOCAL_NATIVE_ACTIVATIONS", "fp32")
+    assert start_packing(resolve().spec) is None
 
 
 @pytest.mark.skipif(not Q05.is_file(), reason="run ../shared/models/fetch-real-models.sh")

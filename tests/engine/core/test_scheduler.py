@@ -55,6 +55,29 @@ def test_long_prompt_is_chunked_and_decodes_run_in_the_same_steps() -> None:
     assert a.token_ids == toks(0, 3) + [100, 101, 102, 103, 104]
 
 
+def test_tail_alone_computes_a_prompts_last_rows_as_a_prefix_cache_hit_would() -> None:
+    # 11 tokens, blocks of 4: a hit covers the blocks before the one holding the last token (8
+    # tokens), and computes 8..10; with tail_alone a cold prompt stops at 8 and runs 8..10 next
+    for tail_alone, want in ((False, [[(1, 0, 11, True)]]), (True, [[(1, 0, 8, False)], [(1, 8, 3, True)]])):
+        sched = Scheduler(BlockManager(64, BS), max_num_batched_tokens=64, tail_alone=tail_alone)
+        sched.add(Sequence(1, toks(0, 11), max_tokens=4))
+        got = [shape(step(sched, {1: 100})[0]) for _ in want]
+        assert got == want
+        assert shape(step(sched, {1: 101})[0]) == [(1, 11, 1, True)]  # then decoding as ever
+    # the same tokens again: the hit's rows are the cold run's second chunk
+    bm = BlockManager(64, BS, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_batched_tokens=64, tail_alone=True)
+    sched.add(Sequence(1, toks(0, 11), max_tokens=1))
+    while sched.running or sched.waiting:
+        step(sched, {1: 100})
+    sched.add(Sequence(2, toks(0, 11), max_tokens=1))
+    assert shape(step(sched, {2: 100})[0]) == [(2, 8, 3, True)]
+    # a prompt of whole blocks: a hit computes its last block; chunks cut by the budget keep to it
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=1, max_num_batched_tokens=6, tail_alone=True)
+    sched.add(Sequence(3, toks(0, 12), max_tokens=1))
+    assert [shape(step(sched, {3: 100})[0]) for _ in range(3)] == [[(3, 0, 6, False)], [(3, 6, 2, False)], [(3, 8, 4, True)]]
+
+
 def test_waiting_request_is_admitted_when_blocks_free_up() -> None:
     bm = BlockManager(6, BS)
     sched = Scheduler(bm, max_num_batched_tokens=64)
