@@ -26,8 +26,9 @@ def runs_natively(spec: ModelSpec) -> bool:
 
 # CPU features on which the native kernels were measured to decode faster than llama.cpp at its
 # best setting on the same CPU (docs/performance.md): AVX512-VNNI (Sapphire Rapids: Qwen2.5-Coder
-# 1.5B Q4_K_M 1.39x, 0.5B 1.74x, the starter's Q4_1 1.73x). On AVX2 alone (Zen 3) the two decode
-# about as fast and llama.cpp loads sooner; AVX-VNNI (Alder Lake) has not been measured.
+# 1.5B Q4_K_M 1.39x, 0.5B 1.74x, the starter's Q4_1 1.73x). On AVX2 alone (Zen 3) the lead is
+# smaller and varies with the host's load (below), and llama.cpp loads sooner; AVX-VNNI (Alder
+# Lake) has not been measured.
 FASTER_ON = "avx512_vnni"  # as hardware.simd_features() names it
 FASTER_ON_NAME = "AVX512-VNNI"
 
@@ -38,10 +39,11 @@ def decodes_faster_natively(spec: ModelSpec, simd: frozenset[str]) -> bool:
     return FASTER_ON in simd and runs_natively(spec)
 
 
-# CPU features on which the native kernels decode at parity with llama.cpp at its best setting:
-# AVX2 with FMA and F16C, the kernels' AVX2 path (a 2-vCPU AMD EPYC, Zen 3, 2026-11-27:
-# Qwen2.5-Coder-1.5B Q4_K_M 0.98x, the 0.5B 1.03x; a 1,037-token prefill 1.37x, 16 concurrent
-# requests 1.92x llama.cpp one after another). There the paged engine is worth its
+# CPU features on which the native kernels decode at least at parity with llama.cpp at its best
+# setting: AVX2 with FMA and F16C, the kernels' AVX2 path (a 2-vCPU AMD EPYC, Zen 3, 2026-11-28:
+# Qwen2.5-Coder-1.5B Q4_K_M 1.14x, the 0.5B 1.36x, the starter 1.44x; a 1,037-token prefill
+# 1.25-1.37x, 16 concurrent requests on the starter 3.0x llama.cpp one after another; a day
+# earlier, before the one-pass decode kernels, 0.98x and 1.03x). There the paged engine is worth its
 # slower load for its prefix cache: with the disk tier on, a chat's history or a server's system
 # prompt is never prefilled twice, across restarts too, which llama.cpp does not do.
 PARITY_ON = frozenset({"avx2", "fma", "f16c"})
