@@ -61,14 +61,19 @@ def paged_pays(spec: ModelSpec, simd: frozenset[str], disk_cache: bool) -> bool:
 
 
 FOUR_BIT_TYPES = frozenset({2, 3, 12})  # Q4_0 Q4_1 Q4_K: fp32 activations, every projection skips
+AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl"})  # the kernels' 512-bit path (runtime.best_isa)
 
 
 def sparse_pays(spec: ModelSpec, simd: frozenset[str]) -> bool:
     """Whether the sparse backend is the fast way to run this calibrated GGUF on a CPU with
-    ``simd``: a file of 4-bit projection types only (fp32 activations; every projection skips
-    its zeroed inputs' columns), or one the native kernels decode faster than llama.cpp on this
-    CPU (K-quant mixes: there only the MLP's projections skip, and only with the 512-bit column
-    kernels does skipping beat the dense layout; elsewhere the sparse file would run the dense
-    kernels, as fast as llama.cpp at best, and lose the quality the thresholds cost)."""
+    ``simd``: a file of 4-bit projection types only where the dense engine runs them with fp32
+    activations too (AVX-512; every projection skips its zeroed inputs' columns), or one the
+    native kernels decode faster than llama.cpp on this CPU (K-quant mixes: there only the
+    MLP's projections skip, and only with the 512-bit column kernels does skipping beat the
+    dense layout; elsewhere the sparse file would run the dense kernels, as fast as llama.cpp at
+    best, and lose the quality the thresholds cost). Without AVX-512 a 4-bit file's dense
+    projections take the int8 kernels, faster than the sparse backend's fp32 ones with half the
+    columns skipped (Zen 3, the starter at 50%: 83.3 tok/s against 101.9 dense, `bench sparse`)."""
     layers = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
-    return bool(layers) and layers <= FOUR_BIT_TYPES or decodes_faster_natively(spec, simd)
+    four_bit = bool(layers) and layers <= FOUR_BIT_TYPES
+    return four_bit and AVX512 <= simd or decodes_faster_natively(spec, simd)

@@ -187,18 +187,20 @@ def test_run_time_level_override(sparse_starter: tuple[Path, dict]) -> None:
         assert s.achieved_sparsity == pytest.approx(0.3, abs=0.08)
 
 
-def test_auto_picks_sparse_for_a_calibrated_gguf_on_cpu(sparse_starter: tuple[Path, dict], starter_path: str) -> None:
+def test_auto_picks_sparse_for_a_calibrated_gguf_where_it_pays(sparse_starter: tuple[Path, dict], starter_path: str) -> None:
     from llmlocal.engine.planning.hardware import simd_features
-    from llmlocal.engine.planning.native_support import paged_pays
+    from llmlocal.engine.planning.native_support import paged_pays, sparse_pays
 
-    with Engine.load(Plan(model=str(sparse_starter[0]), device="cpu", n_ctx=512)) as e:
-        assert e.backend_name == "sparse"
-    assert resolve(starter_path).spec.sparsity is None  # and the plain starter stays on its dense engine
-    # the planner, which `run`, `chat` and `serve` load through, prefers it too
-    assert plan_model(str(sparse_starter[0]), Pins(device="cpu")).plan.backend == "sparse"
     # without a disk tier for the KV cache (the library's default; the CLI's has one), the dense
     # starter takes the paged engine only where it decodes faster (not on AVX2 alone)
     dense = "paged" if paged_pays(resolve(starter_path).spec, simd_features(), disk_cache=False) else "llamacpp"
+    # the calibrated file: the sparse engine with AVX-512 (without it the dense int8 kernels win)
+    want = "sparse" if sparse_pays(resolve(str(sparse_starter[0])).spec, simd_features()) else dense
+    with Engine.load(Plan(model=str(sparse_starter[0]), device="cpu", n_ctx=512)) as e:
+        assert e.backend_name == want
+    assert resolve(starter_path).spec.sparsity is None  # and the plain starter stays on its dense engine
+    # the planner, which `run`, `chat` and `serve` load through, agrees
+    assert plan_model(str(sparse_starter[0]), Pins(device="cpu")).plan.backend == want
     assert plan_model(starter_path, Pins(device="cpu")).plan.backend == dense
     with Engine.load(Plan(model=starter_path, device="cpu", n_ctx=512)) as e:  # the library's auto agrees
         assert e.backend_name == dense
