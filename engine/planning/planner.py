@@ -256,13 +256,13 @@ def _cpu_backend_reason(best: Candidate, hw: Hardware, pins: Pins) -> str | None
     if p.backend == "paged" and decodes_faster_natively(spec, hw.simd):
         return f"paged: llmlocal's own kernels decode this file's types faster than llama.cpp on a CPU with {FASTER_ON_NAME}"
     if p.backend == "paged" and paged_pays(spec, hw.simd, p.kv_cache_dir is not None):  # at parity, for the cache
-        return (f"paged: on {PARITY_ON_NAME} llmlocal's own kernels decode this file about as fast as llama.cpp, and its "
-                "prefix cache keeps prompts on disk, so a chat's history or a repeated system prompt is never "
+        return (f"paged: on {PARITY_ON_NAME} llmlocal's own kernels decode this file at least as fast as llama.cpp, and "
+                "its prefix cache keeps prompts on disk, so a chat's history or a repeated system prompt is never "
                 "prefilled twice, across restarts too (--no-kv-cache: llama.cpp, which loads sooner)")
     if p.backend == "llamacpp" and runs_natively(spec):
         if PARITY_ON <= hw.simd:
-            return (f"llamacpp: on a CPU without {FASTER_ON_NAME} llmlocal's own kernels decode this file about as fast "
-                    "and load it slower, and the disk KV cache that makes them worth it is off")
+            return (f"llamacpp: on a CPU without {FASTER_ON_NAME} llmlocal's own kernels lead llama.cpp by less "
+                    "and load this file slower, and the disk KV cache that makes them worth it is off")
         return (f"llamacpp: on a CPU without {FASTER_ON_NAME} or {PARITY_ON_NAME} llmlocal's own kernels decode this "
                 "file slower (--backend paged batches requests, caches prefixes and drafts)")
     return None
