@@ -114,7 +114,7 @@ DEFAULT_REQUEST = DEFAULT_SPARSITY_REQUEST  # `--sparsity` with no value: `defau
 
 def default_sparsity(spec: ModelSpec) -> SparsityRequest:
     """What `--sparsity` with no value calibrates for the GGUF ``spec`` (see DEFAULT_SPARSITY)."""
-    from llmlocal.engine.model.gguf_parts import four_bit_only
+    from llmlocal.engine.planning.native_support import four_bit_only
 
     return DEFAULT_SPARSITY if four_bit_only(spec) else dict(DEFAULT_SPARSITY_PROFILE)
 

@@ -23,8 +23,9 @@ from llmlocal.native.cpu.pack_ahead import PackAhead
 from llmlocal.native.cpu.packed_cache import PackedCache
 from llmlocal.native.cpu.qlayout import FORMATS, QuantRows
 
+from ..planning.native_support import four_bit_only
 from .config import ModelConfig, config_from_spec
-from .gguf_tensors import INT4_TYPES, GGUFTensors
+from .gguf_tensors import GGUFTensors
 
 RowFix = Callable[[np.ndarray], np.ndarray]  # rows of a tensor (or their indices) in the order wanted
 
@@ -91,13 +92,6 @@ def native_rows(t: GGUFTensors, name: str, fix: RowFix = same) -> QuantRows | No
     """The tensor's rows for the native kernels, or None if they do not read it."""
     info = t.info(name)
     return file_rows(t.raw(name), info.ggml_type, fix, name) if native_reads(info) else None
-
-
-def four_bit_only(spec: ModelSpec) -> bool:
-    """Whether every projection of the file is Q4_0, Q4_1 or Q4_K: the types the INT4 kernels of
-    fp32 activations (and the sparse backend's column-skipping ones) read."""
-    types = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
-    return bool(types) and types <= INT4_TYPES
 
 
 def default_activations(spec: ModelSpec, sparse: bool = False) -> str:

@@ -64,6 +64,13 @@ FOUR_BIT_TYPES = frozenset({2, 3, 12})  # Q4_0 Q4_1 Q4_K: fp32 activations, ever
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl"})  # the kernels' 512-bit path (runtime.best_isa)
 
 
+def four_bit_only(spec: ModelSpec) -> bool:
+    """Whether every projection of the file is Q4_0, Q4_1 or Q4_K: the types the INT4 kernels of
+    fp32 activations (and the sparse backend's column-skipping ones) read."""
+    layers = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+    return bool(layers) and layers <= FOUR_BIT_TYPES
+
+
 def sparse_pays(spec: ModelSpec, simd: frozenset[str]) -> bool:
     """Whether the sparse backend is the fast way to run this calibrated GGUF on a CPU with
     ``simd``: a file of 4-bit projection types only where the dense engine runs them with fp32
@@ -74,6 +81,4 @@ def sparse_pays(spec: ModelSpec, simd: frozenset[str]) -> bool:
     best, and lose the quality the thresholds cost). Without AVX-512 a 4-bit file's dense
     projections take the int8 kernels, faster than the sparse backend's fp32 ones with half the
     columns skipped (Zen 3, the starter at 50%: 83.3 tok/s against 101.9 dense, `bench sparse`)."""
-    layers = {t.ggml_type for t in spec.tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
-    four_bit = bool(layers) and layers <= FOUR_BIT_TYPES
-    return four_bit and AVX512 <= simd or decodes_faster_natively(spec, simd)
+    return four_bit_only(spec) and AVX512 <= simd or decodes_faster_natively(spec, simd)
