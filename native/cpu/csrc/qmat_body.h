@@ -195,7 +195,7 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
 
 /* The asm text of group_sums_rows_il's runs: a quad's codes into %[w0], %[w1] (QM_U*: from the
  * interleaved tile at %[w], quad I, as load_half_il unpacks them; QM_U2 from unpack_group's
- * buffer), and the rows' multiply-adds (QM_R2 .. QM_R4: rows 0..NB-1 of x at %[y0] ..). */
+ * buffer), and the rows' multiply-adds (QM_R1 .. QM_R4: rows 0..NB-1 of x at %[y0] ..). */
 #define QM_U2(I) /* unpacked codes (unpack_group's buffer) */                                             \
     "vmovdqa " #I "*64(%[w]), %[w0]\n\t"                                                                  \
     "vmovdqa " #I "*64+32(%[w]), %[w1]\n\t"
@@ -256,7 +256,8 @@ AI void factors8(const qm_matrix *m, int g, int n, __m256 *D, __m256 *M) {
     "vpbroadcastd " X ", %[x]\n\t"                                                                       \
     "vpsignb %[x], %[x], %[u]\n\t" QM_ROW8_HALF("w0", A, QM_LATER) QM_ROW8_HALF("w1", B, QM_LATER)
 #define QM_X(I, R) #I "*4(%[y" #R "])"
-#define QM_R2(I, ROW) ROW(QM_X(I, 0), "s00", "s01") ROW(QM_X(I, 1), "s10", "s11")
+#define QM_R1(I, ROW) ROW(QM_X(I, 0), "s00", "s01")
+#define QM_R2(I, ROW) QM_R1(I, ROW) ROW(QM_X(I, 1), "s10", "s11")
 #define QM_R3(I, ROW) QM_R2(I, ROW) ROW(QM_X(I, 2), "s20", "s21")
 #define QM_R4(I, ROW) QM_R3(I, ROW) ROW(QM_X(I, 3), "s30", "s31")
 
@@ -578,7 +579,8 @@ AI void group_sums_il(const quad_src *p, const int8_t *qx, size_t qs, const int 
     }
 }
 
-/* group_sums_il for two to four rows of x (a pass of prefill, of a verification or of a batch),
+/* group_sums_il for one to four rows of x (a decode step's row, a pass of prefill, of a
+ * verification or of a batch),
  * written out: the sums are named values that stay in registers for the whole group (16 ymm hold
  * 8 sums, 2 code vectors, the masks and the temporaries). On AVX2 each run of quads is one asm
  * block, the codes' unpacking included (Q8_0: the whole group, each quad widened at once): in C
@@ -589,7 +591,7 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
                            const int KIND, const int IL, const fac8 f[2], __m256i acc[NB_MAX][2]) {
     const int NQ = (BITS == 6 ? 16 : 32) / 4, RUN = QUADS_PER_RUN(BITS) < NQ ? QUADS_PER_RUN(BITS) : NQ;
     /* rows past NB: row 0's address, never read */
-    const int8_t *x0 = qx, *x1 = qx + qs, *x2 = NB > 2 ? qx + 2 * qs : qx, *x3 = NB > 3 ? qx + 3 * qs : qx;
+    const int8_t *x0 = qx, *x1 = NB > 1 ? qx + qs : qx, *x2 = NB > 2 ? qx + 2 * qs : qx, *x3 = NB > 3 ? qx + 3 * qs : qx;
     __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int i0 = 0; i0 < NQ; i0 += RUN) {
         __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
@@ -627,7 +629,8 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
     QM_RUN_ASM(U(0) R(0, QM_ROW8_0_ASM) QM_Q8(U, R, 1) QM_Q8(U, R, 2) QM_Q8(U, R, 3) QM_Q8(U, R, 4)        \
                    QM_Q8(U, R, 5) QM_Q8(U, R, 6) QM_Q8(U, R, 7))
 #define QM_BY_ROWS(RUNS, U)                                                                               \
-    if (NB == 2) RUNS(U, QM_R2);                                                                          \
+    if (NB == 1) RUNS(U, QM_R1);                                                                          \
+    else if (NB == 2) RUNS(U, QM_R2);                                                                     \
     else if (NB == 3) RUNS(U, QM_R3);                                                                     \
     else RUNS(U, QM_R4)
             if (BITS == 8) { /* the sums are int32 already, of the whole group */
@@ -663,14 +666,15 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
         s1 = mac1(s1, W[1], xq, BITS);                                                        \
     } while (0)
             QM_ROW(x0, s00, s01);
-            QM_ROW(x1, s10, s11);
+            if (NB > 1) QM_ROW(x1, s10, s11);
             if (NB > 2) QM_ROW(x2, s20, s21);
             if (NB > 3) QM_ROW(x3, s30, s31);
 #undef QM_ROW
         }
         const int W8 = INT_SCALED(KIND);
         a00 = _mm256_add_epi32(a00, widen(s00, f[0].wt, W8)), a01 = _mm256_add_epi32(a01, widen(s01, f[1].wt, W8));
-        a10 = _mm256_add_epi32(a10, widen(s10, f[0].wt, W8)), a11 = _mm256_add_epi32(a11, widen(s11, f[1].wt, W8));
+        if (NB > 1)
+            a10 = _mm256_add_epi32(a10, widen(s10, f[0].wt, W8)), a11 = _mm256_add_epi32(a11, widen(s11, f[1].wt, W8));
         if (NB > 2)
             a20 = _mm256_add_epi32(a20, widen(s20, f[0].wt, W8)), a21 = _mm256_add_epi32(a21, widen(s21, f[1].wt, W8));
         if (NB > 3)
@@ -1288,11 +1292,15 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
 }
 
 #if !QM_VNNI
-/* A decode step of one row of x over a whole chunk, both halves at once (AVX2): each quad's
- * 64 bytes of codes loaded once for all 32 rows, where two half passes each read every line of
- * the chunk's run and used half of it, and each made its own loop, factors and updates. The same
- * int32 sums and, per 8 rows, the same float operations in the same order as half_pass, so the
- * same floats. */
+/* A decode step of one row of x over a whole chunk, both halves at once (AVX2): each group's
+ * factors made once for all 32 rows and its tile's lines read from memory once, where two half
+ * passes each streamed the chunk's run and made their own loop, factors and updates. The 4- and
+ * 5-bit types take each half's sums from group_sums_rows_il's asm runs: in C, GCC reassociated a
+ * run's adds into a tree and kept all 32 products of a group on the stack (callgrind: Q5_0 12%
+ * fewer instructions a weight in asm, Q4_1 4%). The 6- and 8-bit quads stay in C, both halves
+ * unpacked from one load (Q6_K's halves share bytes 0..63: 15% more instructions as two halves).
+ * The same int32 sums and, per 8 rows, the same float operations in the same order as half_pass,
+ * so the same floats. */
 AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, float *ybuf, const int BITS,
                     const int KIND, int pf) {
     const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP;
@@ -1300,7 +1308,6 @@ AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
     const unsigned RUN = QUADS_PER_RUN(BITS) < (int)NQ ? (unsigned)QUADS_PER_RUN(BITS) : NQ;
     const size_t tile_bytes = (size_t)NQ * (16 * BITS);
     const chunk_fac cf = chunk_factors(m, n);
-    const int8_t *qx = a->qx;
     const float *dx = a->dx;
     acc8 s[4];
     for (int v = 0; v < 4; v++) {
@@ -1310,23 +1317,31 @@ AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
     for (unsigned sb = 0; sb < G / PER_SB; sb++) {
         for (unsigned j = 0; j < PER_SB; j++) {
             const unsigned g = sb * PER_SB + j;
-            const uint8_t *p = group_tile(chunk, g, tile_bytes, pf);
-            const int8_t *xg = qx + (size_t)g * GROUP;
+            const quad_src src = {group_tile(chunk, g, tile_bytes, pf), NULL, 0};
+            const int8_t *xg = a->qx + (size_t)g * GROUP;
             fac8 f[4];
             for (int v = 0; v < 4; v++) group_factors(m, &cf, g, v, KIND, &f[v]);
             __m256i acc[4];
-            for (int v = 0; v < 4; v++) acc[v] = _mm256_setzero_si256();
-            for (unsigned i0 = 0; i0 < NQ; i0 += RUN) {
-                __m256i s16[4];
-                for (int v = 0; v < 4; v++) s16[v] = _mm256_setzero_si256();
-                for (unsigned i = i0; i < i0 + RUN; i++) {
-                    __m256i W[4];
-                    load_quad_il(p + (size_t)i * (16 * BITS), BITS, W);
-                    int32_t q4;
-                    memcpy(&q4, xg + 4 * i, 4);
-                    mac_quad(W, 4, _mm256_set1_epi32(q4), BITS, s16);
+            if (BITS == 4 || BITS == 5) {
+                __m256i h0[NB_MAX][2], h1[NB_MAX][2];
+                group_sums_rows_il(&src, xg, 0, 0, 1, BITS, KIND, 1, f, h0);
+                group_sums_rows_il(&src, xg, 0, 1, 1, BITS, KIND, 1, f + 2, h1);
+                acc[0] = h0[0][0], acc[1] = h0[0][1], acc[2] = h1[0][0], acc[3] = h1[0][1];
+            } else {
+                for (int v = 0; v < 4; v++) acc[v] = _mm256_setzero_si256();
+                for (unsigned i0 = 0; i0 < NQ; i0 += RUN) {
+                    __m256i s16[4];
+                    for (int v = 0; v < 4; v++) s16[v] = _mm256_setzero_si256();
+                    for (unsigned i = i0; i < i0 + RUN; i++) {
+                        __m256i W[4];
+                        load_quad_il(src.tile + (size_t)i * (16 * BITS), BITS, W);
+                        int32_t q4;
+                        memcpy(&q4, xg + 4 * i, 4);
+                        mac_quad(W, 4, _mm256_set1_epi32(q4), BITS, s16);
+                    }
+                    for (int v = 0; v < 4; v++)
+                        acc[v] = _mm256_add_epi32(acc[v], widen(s16[v], f[v].wt, INT_SCALED(KIND)));
                 }
-                for (int v = 0; v < 4; v++) acc[v] = _mm256_add_epi32(acc[v], widen(s16[v], f[v].wt, INT_SCALED(KIND)));
             }
             const __m256 dxv = _mm256_broadcast_ss(dx + g * GROUP / QM_QBLOCK), xsv = _mm256_broadcast_ss(a->xs + g);
             for (int v = 0; v < 4; v++) group_update_v(&s[v], &f[v], acc[v], dxv, xsv, KIND, j % 2 == 0);
