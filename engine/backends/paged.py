@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import torch
-from llmlocal.models import ResolvedModel, resolve
+from llmlocal.models import ResolvedModel
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
 from llmlocal.native.cpu.pack_ahead import PackAhead
@@ -43,12 +43,12 @@ from ..model.loader import load_gguf, load_hf
 from ..plan import Plan
 from ..prompt.detokenize import TextStream
 from ..prompt.tokenizer import Tokenizer, start_tokenizer
-from ..spec.drafter import Drafter, DraftModel, DraftRequest, NgramDrafter
+from ..spec.drafter import Drafter, DraftModel, DraftRequest
 from ..spec.spec_control import PER_TOKEN_PRIOR, DraftLength
 from ..spec.speculative import verify
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 from .base import LocalBackend, Prompt
-from .paged_setup import check_same_vocabulary, load_draft, open_disk_tier, pick_device, pick_dtype, pick_kv_dtype
+from .paged_setup import make_drafter, open_disk_tier, pick_device, pick_dtype, pick_kv_dtype
 from .paged_stream import EngineFailure, Stream, logprob_rows, stream_of
 
 # Engines not closed by their owner are closed at interpreter exit, while their threads still
@@ -135,14 +135,8 @@ class PagedBackend(LocalBackend):
             FastDecode.attach(runner)
         if device.type == "cuda" and os.environ.get("LLMLOCAL_CUDA_GRAPHS", "1") != "0":
             runner.enable_cuda_graphs(plan.max_batch, n_ctx)
-        if drafter is None and plan.draft == "ngram":
-            drafter = NgramDrafter()
-        elif drafter is None and plan.draft:
-            draft = resolve(plan.draft)
-            check_same_vocabulary(spec, draft.spec, plan.draft)
-            draft_runner = ModelRunner(load_draft(draft, device, dtype, n_ctx), num_blocks, block_size, kv_dtype=kv_dtype)
-            FastDecode.attach(draft_runner)
-            drafter = DraftModel(draft_runner)
+        if drafter is None and plan.draft:
+            drafter = make_drafter(plan, spec, runner, n_ctx, kv_dtype)
         disk = open_disk_tier(model, plan, runner) if cls is PagedBackend else None  # (sparse: thresholds change its KV)
         return cls(runner, vocab, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k, disk)
 
@@ -169,6 +163,8 @@ class PagedBackend(LocalBackend):
             self._masks.close()
         if self.disk is not None:
             self.disk.close()  # what is queued gets written: the next run finds it
+        if self.drafter is not None:
+            self.drafter.close()
         self.tokenizer.close()
 
     # ---- tokens --------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""How the paged backend sets itself up from a plan: device, run and KV dtypes, the draft
-model's network, and the check that a draft reads token ids as the target does."""
+"""How the paged backend sets itself up from a plan: device, run and KV dtypes, the drafter
+(a draft model's network, and the check that it reads token ids as the target does), and the
+prefix cache's disk tiers."""
 
 from __future__ import annotations
 
@@ -7,17 +8,18 @@ import hashlib
 from pathlib import Path
 
 import torch
-from llmlocal.models import ModelSpec, ResolvedModel
+from llmlocal.models import ModelSpec, ResolvedModel, resolve
 from llmlocal.models.errors import LLMLocalError
 from llmlocal.models.fingerprint import model_fingerprint
 
 from ..core.kv_disk import DiskTier, namespace
 from ..core.model_runner import ModelRunner
-from ..model.fast_decode import native_int4, native_quant
+from ..model.fast_decode import FastDecode, native_int4, native_quant
 from ..model.gguf_parts import activations
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf, load_hf
 from ..plan import Plan, paged_kv_dtype
+from ..spec.drafter import Drafter, DraftModel, NgramDrafter
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": torch.int8}  # int8: q8_0 rows
@@ -64,6 +66,20 @@ def load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n
                      quant=native_quant(device, dtype, draft.spec, mode="int8"), head_rows=head_rows)
 
 
+def make_drafter(plan: Plan, target: ModelSpec, runner: ModelRunner, n_ctx: int, kv_dtype: torch.dtype) -> Drafter:
+    """``plan.draft``'s drafter: prompt lookup ("ngram"), or a draft model of the target's
+    vocabulary with a KV pool of the target's size, and a disk tier of its own where the target
+    has one: a reopened chat's draft then reads its history's K/V instead of computing it."""
+    if plan.draft == "ngram":
+        return NgramDrafter()
+    draft = resolve(plan.draft)
+    check_same_vocabulary(target, draft.spec, plan.draft)
+    net = load_draft(draft, runner.device, runner.model.dtype, n_ctx)
+    draft_runner = ModelRunner(net, runner.num_blocks, runner.block_size, kv_dtype=kv_dtype)
+    FastDecode.attach(draft_runner)
+    return DraftModel(draft_runner, disk=open_disk_tier(draft, plan, draft_runner, draft=True))
+
+
 def check_same_vocabulary(target: ModelSpec, draft: ModelSpec, name: str) -> None:
     """A draft proposes token ids the target must read the same way: refuse another tokenizer."""
     same = target.vocab_size == draft.vocab_size and (
@@ -77,10 +93,12 @@ def check_same_vocabulary(target: ModelSpec, draft: ModelSpec, name: str) -> Non
         )
 
 
-def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner) -> DiskTier | None:
+def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner, draft: bool = False) -> DiskTier | None:
     """The prefix cache's disk tier for this model as this engine computes it, if the plan keeps
     one (`Plan.kv_cache_dir`). Blocks are shared only between engines whose numbers agree: the
-    namespace names the files, backend, device, dtypes, weight path, kernels and RoPE tables."""
+    namespace names the files, backend, device, dtypes, weight path, kernels and RoPE tables.
+    ``draft``: the model drafts (`load_draft`: every weight "auto", int8 activations), in a
+    namespace of its own even where the target is the same file."""
     if not plan.kv_cache_dir:
         return None
     net = runner.model
@@ -95,8 +113,9 @@ def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner) -> Dis
 
         kernels = runtime.isa() if runtime.built() else "none"
         if kernels != "none" and model.spec.format == "gguf":  # int8 and fp32 activations give other KV
-            kernels += f"|acts={activations(model.spec)}"
-    numerics = (f"paged|{runner.device.type}|{net.dtype}|kv={k.dtype}|weights={plan.weights}|kernels={kernels}"
+            kernels += f"|acts={'int8' if draft else activations(model.spec)}"
+    weights = "auto" if draft else plan.weights
+    numerics = (f"{'draft' if draft else 'paged'}|{runner.device.type}|{net.dtype}|kv={k.dtype}|weights={weights}|kernels={kernels}"
                 f"|rope={rope.hexdigest()}")
     ns = namespace(model_fingerprint(model.path), numerics, runner.block_size, tuple(k.shape[1:]) + (len(runner.kv_caches),))
     about = {"model": model.name, "path": str(model.path), "numerics": numerics}

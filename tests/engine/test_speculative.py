@@ -158,6 +158,9 @@ class Oracle:
     def release(self, seq_id: int) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 @pytest.mark.parametrize("wrong", [False, True])
 def test_drafts_always_right_or_always_wrong_leave_the_output_unchanged(reference, wrong) -> None:

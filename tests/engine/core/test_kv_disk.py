@@ -290,6 +290,27 @@ def test_a_reply_is_kept_too_so_the_next_turn_after_a_restart_starts_cached(tmp_
     assert done.stats.cached_prompt_tokens >= prompt_tokens - 64
 
 
+def test_a_draft_models_blocks_are_kept_too_so_a_reopened_chat_drafts_without_catching_up(tmp_path: Path) -> None:
+    # the starter drafting for itself: the draft's tier is its own (another namespace, the same file)
+    drafting = plan(tmp_path, draft="smollm2-135m", draft_k=3)
+    with Engine.load(drafting) as e:
+        first = greedy(e, PROMPT)
+        draft_tier = e.backend.drafter.disk  # type: ignore[attr-defined]
+        assert draft_tier is not None and draft_tier.ns != e.backend.disk.ns  # type: ignore[attr-defined]
+    assert draft_tier.counts["written"] > 0  # closing the engine wrote what was queued
+    with Engine.load(drafting) as e:
+        again = greedy(e, PROMPT)
+        drafter = e.backend.drafter  # type: ignore[attr-defined]
+        read = drafter.disk.counts["read"]
+        held = drafter.blocks.num_used_blocks
+    assert again.stats.cached_prompt_tokens > 0
+    # the mirror's history, found on disk: every full block of the prompt but the last (its
+    # last token is always recomputed), none computed again
+    assert read >= first.stats.prompt_tokens // drafter.runner.block_size - 1
+    assert held == 0  # the mirror's blocks freed with the request
+    assert again.stats.drafted_tokens and again.stats.accepted_tokens is not None
+
+
 def test_concurrent_requests_warm_from_disk_equal_each_alone(tmp_path: Path) -> None:
     import threading
 

@@ -164,6 +164,9 @@ class Oracle:
     def release(self, seq_id: int) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 @pytest.mark.parametrize("wrong", [False, True])
 def test_speculative_decoding_under_a_grammar_gives_the_plain_output(paged: Engine, wrong: bool) -> None:
