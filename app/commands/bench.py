@@ -8,6 +8,7 @@ Scenarios:
   prefill  TTFT of a long prompt (--prompt-tokens), cold, per backend in --backends
   resume   the first request after a restart: a reopened chat and a restarted server whose
            prompt's blocks the KV cache on disk holds (--prompt-tokens of history), vs cold
+           (with --draft M: drafting, and the time of a 32-token reply too)
   draft    TTFT of a pasted message of --prompt-tokens whose prefill ran while a question was
            typed for --pause seconds (the chat's draft prefill), vs sent cold, per backend
   spec     speculative decoding (paged): an fp32 target with an INT4 draft of itself on a
@@ -72,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "target alone, with the draft, with n-gram lookup; grammar: constrained and free) take turns "
                         "(default: 3, batch and spec 1)")
     p.add_argument("--draft", default=None, metavar="M",
-                   help="spec: the draft model (default: the target's own file, as INT4)")
+                   help="spec: the draft model (default: the target's own file, as INT4); resume: draft with it, "
+                        "and time 32-token replies (default: no draft)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="spec: sample at temperature T with the chat's top-k, top-p and min-p (default: 0, greedy)")
     p.add_argument("--sparsity", type=float, default=None, metavar="S",
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         tokens = 4000 if args.prompt_tokens is None else args.prompt_tokens
         if tokens < 64:
             raise LLMLocalError(f"--prompt-tokens must be at least 64, not {tokens}.")
-        result = bench_resume(args.model, tokens, rounds=args.rounds or 2, threads=args.threads)
+        result = bench_resume(args.model, tokens, rounds=args.rounds or 2, threads=args.threads, draft=args.draft)
     elif args.scenario == "draft":
         from llmlocal.app.bench.draft import bench_draft
 

@@ -118,6 +118,6 @@ def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner, draft:
     numerics = (f"{'draft' if draft else 'paged'}|{runner.device.type}|{net.dtype}|kv={k.dtype}|weights={weights}|kernels={kernels}"
                 f"|rope={rope.hexdigest()}")
     ns = namespace(model_fingerprint(model.path), numerics, runner.block_size, tuple(k.shape[1:]) + (len(runner.kv_caches),))
-    about = {"model": model.name, "path": str(model.path), "numerics": numerics}
+    about = {"model": model.name + (" (draft)" if draft else ""), "path": str(model.path), "numerics": numerics}
     return DiskTier(Path(plan.kv_cache_dir), ns, runner.block_size, runner.block_nbytes,
                     max_bytes=plan.kv_cache_size, about=about)
