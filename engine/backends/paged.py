@@ -137,7 +137,7 @@ class PagedBackend(LocalBackend):
             runner.enable_cuda_graphs(plan.max_batch, n_ctx)
         if drafter is None and plan.draft:
             drafter = make_drafter(plan, spec, runner, n_ctx, kv_dtype)
-        disk = open_disk_tier(model, plan, runner) if cls is PagedBackend else None  # (sparse: thresholds change its KV)
+        disk = open_disk_tier(model, plan, runner, role=cls.name)
         return cls(runner, vocab, n_ctx, plan.max_batch, plan.max_batch_tokens, drafter, plan.draft_k, disk)
 
     @classmethod

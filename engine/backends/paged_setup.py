@@ -77,7 +77,7 @@ def make_drafter(plan: Plan, target: ModelSpec, runner: ModelRunner, n_ctx: int,
     net = load_draft(draft, runner.device, runner.model.dtype, n_ctx)
     draft_runner = ModelRunner(net, runner.num_blocks, runner.block_size, kv_dtype=kv_dtype)
     FastDecode.attach(draft_runner)
-    return DraftModel(draft_runner, disk=open_disk_tier(draft, plan, draft_runner, draft=True))
+    return DraftModel(draft_runner, disk=open_disk_tier(draft, plan, draft_runner, role="draft"))
 
 
 def check_same_vocabulary(target: ModelSpec, draft: ModelSpec, name: str) -> None:
@@ -93,12 +93,13 @@ def check_same_vocabulary(target: ModelSpec, draft: ModelSpec, name: str) -> Non
         )
 
 
-def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner, draft: bool = False) -> DiskTier | None:
+def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner, role: str = "paged") -> DiskTier | None:
     """The prefix cache's disk tier for this model as this engine computes it, if the plan keeps
     one (`Plan.kv_cache_dir`). Blocks are shared only between engines whose numbers agree: the
-    namespace names the files, backend, device, dtypes, weight path, kernels and RoPE tables.
-    ``draft``: the model drafts (`load_draft`: every weight "auto", int8 activations), in a
-    namespace of its own even where the target is the same file."""
+    namespace names the files, the role, device, dtypes, weight path, kernels and RoPE tables.
+    ``role``: "paged", "sparse" (its kernels' activations; each sparsity level chains its keys
+    from a root of its own, `SparseBackend.set_sparsity`) or "draft" (`load_draft`: int8
+    activations; a namespace of its own even where the target is the same file)."""
     if not plan.kv_cache_dir:
         return None
     net = runner.model
@@ -113,11 +114,13 @@ def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner, draft:
 
         kernels = runtime.isa() if runtime.built() else "none"
         if kernels != "none" and model.spec.format == "gguf":  # int8 and fp32 activations give other KV
-            kernels += f"|acts={'int8' if draft else activations(model.spec)}"
-    weights = "auto" if draft else plan.weights
-    numerics = (f"{'draft' if draft else 'paged'}|{runner.device.type}|{net.dtype}|kv={k.dtype}|weights={weights}|kernels={kernels}"
+            kernels += f"|acts={'int8' if role == 'draft' else activations(model.spec, sparse=role == 'sparse')}"
+    weights = plan.weights if role == "paged" else "auto"  # (the sparse backend and a draft load "auto")
+    numerics = (f"{role}|{runner.device.type}|{net.dtype}|kv={k.dtype}|weights={weights}|kernels={kernels}"
                 f"|rope={rope.hexdigest()}")
+    if role == "sparse":  # the calibration, whether or not the fingerprint's bytes cover the file's metadata
+        numerics += "|thresholds=" + hashlib.blake2b(repr(model.spec.sparsity).encode(), digest_size=8).hexdigest()
     ns = namespace(model_fingerprint(model.path), numerics, runner.block_size, tuple(k.shape[1:]) + (len(runner.kv_caches),))
-    about = {"model": model.name + (" (draft)" if draft else ""), "path": str(model.path), "numerics": numerics}
+    about = {"model": model.name + (f" ({role})" if role != "paged" else ""), "path": str(model.path), "numerics": numerics}
     return DiskTier(Path(plan.kv_cache_dir), ns, runner.block_size, runner.block_nbytes,
                     max_bytes=plan.kv_cache_size, about=about)

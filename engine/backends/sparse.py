@@ -108,6 +108,9 @@ class SparseBackend(PagedBackend):
         assert isinstance(backend, SparseBackend)
         backend.model_spec = spec
         backend._stack = FastDecode.attach(backend.runner)
+        # decode rows native from here on: a prompt's last rows then run as a prefix-cache hit
+        # runs them (the scheduler was built before, with one-row decoding)
+        backend.scheduler.tail_alone = backend.runner.prompt_rows_vary
         backend._root_key = backend.blocks.root_key
         level = plan.sparsity
         if level is None:

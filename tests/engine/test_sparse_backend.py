@@ -179,6 +179,30 @@ def test_the_prefix_cache_never_serves_blocks_of_another_level(sparse: Engine) -
         sparse.backend.set_sparsity(0.5)
 
 
+def test_a_restarted_engine_reads_a_levels_blocks_from_disk_and_no_other_levels(sparse_starter: tuple[Path, dict],
+                                                                                 tmp_path: Path) -> None:
+    """The prefix cache's disk tier keeps the sparse backend's blocks too (a namespace of its
+    own, each level's chain from a root of its own): a new engine at the same level reads the
+    prompt's blocks instead of computing them, one at another level finds none."""
+    request = Request.chat([{"role": "user", "content": TEXT[:600] + "\nSummarise that in one line."}],
+                           SamplingParams(temperature=0, max_tokens=8))
+
+    def run(level: float) -> tuple[DoneEvent, int]:
+        plan = Plan(model=str(sparse_starter[0]), backend="sparse", n_ctx=1024, sparsity=level, kv_cache_dir=str(tmp_path))
+        with Engine.load(plan) as e:
+            done = [ev for ev in e.generate(request) if isinstance(ev, DoneEvent)][0]
+            return done, e.backend.disk.counts["read"]
+
+    first, _ = run(0.3)
+    again, read = run(0.3)
+    other, other_read = run(0.5)
+    assert first.stats.cached_prompt_tokens == 0
+    assert read > 0 and again.stats.cached_prompt_tokens >= first.stats.prompt_tokens - 2 * 16
+    # the same reply: a cold prompt's last rows run as a hit runs them (the scheduler's tail_alone)
+    assert again.text == first.text and first.text
+    assert other_read == 0 and other.stats.cached_prompt_tokens == 0
+
+
 def test_run_time_level_override(sparse_starter: tuple[Path, dict]) -> None:
     with Engine.load(Plan(model=str(sparse_starter[0]), backend="sparse", sparsity=0.3, n_ctx=512)) as e:
         assert e.backend.sparsity == pytest.approx(0.3)
@@ -377,6 +401,8 @@ def test_native_decode_stack_gives_the_torch_layers_tokens(sparse_f32: Engine, s
     sparse.backend.set_sparsity(level)
     runner = sparse.backend.runner
     rows, runner.native_rows = runner.native_rows, 1  # a cached prompt's tail through the torch layers both times
+    scheduler = sparse.backend.scheduler
+    tail, scheduler.tail_alone = scheduler.tail_alone, False  # the prompt in one step, as without native rows
     try:
         runs = {}
         for fast in (True, False):
@@ -389,7 +415,7 @@ def test_native_decode_stack_gives_the_torch_layers_tokens(sparse_f32: Engine, s
             runs[fast] = (tokens, done.stats.achieved_sparsity, stack.tokens - before, record)
     finally:
         FastDecode.enabled = True
-        runner.native_rows = rows
+        runner.native_rows, scheduler.tail_alone = rows, tail
         sparse.backend.set_sparsity(0.5)
     (tokens, achieved, steps, native), (want_tokens, want_achieved, generic_steps, layers) = runs[True], runs[False]
     assert steps == 47 and generic_steps == 0  # every decode step but the first (prefill) token
@@ -419,6 +445,10 @@ def test_native_decode_stack_over_a_long_context(sparse: Engine) -> None:
     request = Request.chat([{"role": "user", "content": text + "\n\nWhat is this text about?"}],
                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     sparse.backend.set_sparsity(0.0)
+    # the prompt in one step (its tail, cached for the second run, computed as prompt rows both
+    # times), so that only the decode steps' paths differ
+    scheduler = sparse.backend.scheduler
+    tail, scheduler.tail_alone = scheduler.tail_alone, False
     try:
         runs = []
         for fast in (True, False):
@@ -427,6 +457,7 @@ def test_native_decode_stack_over_a_long_context(sparse: Engine) -> None:
             runs.append(done)
     finally:
         FastDecode.enabled = True
+        scheduler.tail_alone = tail
         sparse.backend.set_sparsity(0.5)
     assert runs[0].stats.prompt_tokens > 700
     assert runs[0].text == runs[1].text
