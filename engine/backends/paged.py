@@ -32,16 +32,14 @@ from llmlocal.native.cpu.pack_ahead import PackAhead
 from ..core.block_manager import ROOT_KEY, BlockManager
 from ..core.kv_disk import DiskTier
 from ..core.model_runner import ModelRunner, StepItem
-from ..core.sampling import make_generator, sample_batch, token_logprobs
+from ..core.sampling import sample_batch, token_logprobs
 from ..core.scheduler import RequestTooLargeError, Scheduler
 from ..core.sequence import Sequence
-from ..core.stats import StatsRecorder
 from ..core.step_masks import StepMasks
 from ..model.fast_decode import FastDecode, native_int4, native_quant
 from ..model.llama import LlamaModel
 from ..model.loader import load_gguf, load_hf
 from ..plan import Plan
-from ..prompt.detokenize import TextStream
 from ..prompt.tokenizer import Tokenizer, start_tokenizer
 from ..spec.drafter import Drafter, DraftModel, DraftRequest
 from ..spec.spec_control import PER_TOKEN_PRIOR, DraftLength
@@ -49,7 +47,7 @@ from ..spec.speculative import verify
 from ..types import DoneEvent, Event, FinishReason, Request, TokenEvent, TokenLogprob
 from .base import LocalBackend, Prompt
 from .paged_setup import make_drafter, open_disk_tier, pick_device, pick_dtype, pick_kv_dtype
-from .paged_stream import EngineFailure, Stream, logprob_rows, stream_of
+from .paged_stream import EngineFailure, Stream, logprob_rows, new_stream, stream_of
 
 # Engines not closed by their owner are closed at interpreter exit, while their threads still
 # run: finalizing the modules under a running decode loop aborted the process.
@@ -213,17 +211,14 @@ class PagedBackend(LocalBackend):
                 self._wake.set()
 
     def _new_stream(self, request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int) -> Stream:
-        p = request.sampling
-        seed = p.seed + index if p.seed is not None else None
-        return Stream(
-            request=request,
-            cancel=cancel,
-            recorder=StatsRecorder(self.name, self.device),
-            text=TextStream(p.stop),
-            generator=None if p.greedy else make_generator(seed, self.runner.device),
-            events=events,
-            index=index,
-        )
+        return new_stream(request, cancel, events, index, self.name, self.runner.device)
+
+    def prefill(self, request: Request, prompt: Prompt, cancel: threading.Event) -> int:
+        computed = super().prefill(request, prompt, cancel)
+        if isinstance(self.drafter, DraftModel) and not cancel.is_set():  # the draft's K/V too (`DraftModel.warm`)
+            with self._lock:
+                self.drafter.warm(prompt.ids, cancel)
+        return computed
 
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.model_runner import StepItem
+from ..core.sampling import make_generator
 from ..core.sequence import Sequence
 from ..core.stats import StatsRecorder
 from ..prompt.detokenize import TextStream
@@ -38,6 +39,15 @@ class Stream:
     start_mark: tuple[int, int] | None = None  # a subclass's counters when the request started (`_extra_stats`)
     constraint: Constraint | None = None  # the request's grammar: where this sample stands in it
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens' so far, when asked for
+
+
+def new_stream(request: Request, cancel: threading.Event, events: queue.SimpleQueue, index: int, backend: str,
+               device: torch.device) -> Stream:
+    """The stream of sample ``index`` of ``request`` (a seeded request's samples: seed + index)."""
+    p = request.sampling
+    seed = p.seed + index if p.seed is not None else None
+    return Stream(request=request, cancel=cancel, recorder=StatsRecorder(backend, str(device)), text=TextStream(p.stop),
+                  generator=None if p.greedy else make_generator(seed, device), events=events, index=index)
 
 
 class EngineFailure:

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,6 +45,7 @@ PREFILL_CHUNK = 512  # draft prompt tokens per forward pass when a mirror catche
 # them gained where the reply quotes its prompt (summary 1.27 -> 1.42x, rewrite 1.36 -> 1.65x)
 # and kept code as it was (1.66 -> 1.73x, 1.61 -> 1.63x).
 LOOKUP_NGRAM = (2, 4)  # shortest and longest match looked up
+WARM_ID = -1  # the mirror `DraftModel.warm` computes (target sequences' ids are >= 0)
 
 
 @dataclass
@@ -184,10 +186,7 @@ class DraftModel:
             self.last_tokens += sum(it.num_tokens for it in items)
             for it in items:
                 self.blocks.mark_computed(it.seq, it.num_tokens)
-            if self.disk is not None:  # blocks this pass filled, copied out for the disk's writer
-                full = self.blocks.take_new_full()
-                if full:
-                    self.disk.put(full, self.runner.read_blocks([b.block_id for b in full]).numpy())
+            self._keep_full()
             first_row, row = {}, 0
             for it in sampled:
                 first_row[id(it.seq)] = row
@@ -270,26 +269,60 @@ class DraftModel:
         if isinstance(self.head, DraftHead):
             self.head.include(tokens)
 
+    def warm(self, tokens: list[int], cancel: threading.Event | None = None) -> int:
+        """Compute the draft's K/V of ``tokens`` ahead of a request that will start with them
+        (the chat prefills a message while it is typed: `Backend.prefill`). The blocks stay in
+        the draft's prefix cache and on its disk tier, so the request's first proposal does not
+        catch up on them after its first token (a 1,000-token paste: seconds of the 0.5B).
+        Stops between passes once ``cancel`` is set. Returns the tokens computed."""
+        m = self._new_mirror(WARM_ID, tokens)
+        if m is None:
+            return 0
+        computed = 0
+        try:
+            while m.num_uncomputed_tokens and not (cancel is not None and cancel.is_set()):
+                n = min(m.num_uncomputed_tokens, PREFILL_CHUNK)
+                self.runner.execute([StepItem(m, m.num_computed_tokens, n, False)])
+                self.blocks.mark_computed(m, n)
+                self._keep_full()
+                computed += n
+        finally:
+            self.blocks.free(m)
+        return computed
+
+    def _new_mirror(self, seq_id: int, tokens: list[int]) -> Sequence | None:
+        """A mirror holding ``tokens``, with slots for them: the blocks of its prefix found in the
+        draft's pool are shared, those on its disk tier loaded; None if the pool has no room."""
+        m = Sequence(seq_id, tokens)
+        self._include(tokens)
+        m.num_prompt_tokens = 1  # a mirror may be cut back to any length but its first token
+        if self.disk is not None:  # the history's blocks this pool lacks, from disk where kept
+            self.disk.stage(seq_id, self.blocks.uncached_prefix(tokens))
+        fits = self.blocks.can_allocate(m)
+        if fits:
+            loads = self.blocks.allocate(m)  # prefix hits: shared prompts are computed once
+            if loads:
+                assert self.disk is not None
+                self.runner.write_blocks([b.block_id for b in loads], self.disk.take([b.key for b in loads]))
+        if self.disk is not None:
+            self.disk.release(seq_id)  # what was staged and not loaded
+        return m if fits else None
+
+    def _keep_full(self) -> None:
+        """The blocks the last pass filled, copied out for the disk tier's writer."""
+        if self.disk is not None:
+            full = self.blocks.take_new_full()
+            if full:
+                self.disk.put(full, self.runner.read_blocks([b.block_id for b in full]).numpy())
+
     def _sync(self, seq: Sequence, guess: list[int]) -> bool:
         """Make the mirror of ``seq`` hold exactly its tokens and then ``guess``, with slots for
         them; False if the draft's pool has no room (no drafting for this sequence this step)."""
         target = seq.token_ids
         m = self._mirrors.get(seq.seq_id)
         if m is None:
-            m = Sequence(seq.seq_id, target)
-            self._include(target)
-            m.num_prompt_tokens = 1  # a mirror may be cut back to any length but its first token
-            if self.disk is not None:  # the history's blocks this pool lacks, from disk where kept
-                self.disk.stage(seq.seq_id, self.blocks.uncached_prefix(target))
-            fits = self.blocks.can_allocate(m)
-            if fits:
-                loads = self.blocks.allocate(m)  # prefix hits: shared prompts are computed once
-                if loads:
-                    assert self.disk is not None
-                    self.runner.write_blocks([b.block_id for b in loads], self.disk.take([b.key for b in loads]))
-            if self.disk is not None:
-                self.disk.release(seq.seq_id)  # what was staged and not loaded
-            if not fits:
+            m = self._new_mirror(seq.seq_id, list(target))
+            if m is None:
                 return False
             self._mirrors[seq.seq_id] = m
         else:

@@ -219,6 +219,22 @@ def test_no_drafts_while_requests_wait_to_start(reference) -> None:
     assert seen and all(waiting == 0 or running >= TARGET.max_batch for waiting, running in seen)
 
 
+def test_a_prefill_computes_the_drafts_blocks_too(reference) -> None:
+    """`Engine.prefill` (a chat's message prefilled while it is typed) leaves the prompt's full
+    blocks in the draft's prefix cache as well as the target's, so the request's first proposal
+    does not catch up on them; the request then gives plain greedy's tokens."""
+    prompt = PROMPTS[0]
+    request = Request.chat([{"role": "user", "content": prompt}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    with engine_with(draft="smollm2-135m", draft_k=3) as e:
+        drafter = e.backend.drafter
+        ids = e.prompt_ids(request)
+        assert len(drafter.blocks.uncached_prefix(ids)) == len(ids) // drafter.runner.block_size > 0
+        assert e.prefill(request) > 0
+        assert drafter.blocks.uncached_prefix(ids) == []  # every full block of the prompt, in the draft's pool
+        assert token_ids(e, prompt) == reference[prompt][1]
+        assert_no_leaks(e)
+
+
 # ---- the sampled distribution -------------------------------------------------------------
 
 VOCAB = 8
