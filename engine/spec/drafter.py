@@ -46,6 +46,7 @@ PREFILL_CHUNK = 512  # draft prompt tokens per forward pass when a mirror catche
 # and kept code as it was (1.66 -> 1.73x, 1.61 -> 1.63x).
 LOOKUP_NGRAM = (2, 4)  # shortest and longest match looked up
 WARM_ID = -1  # the mirror `DraftModel.warm` computes (target sequences' ids are >= 0)
+WARM_CHUNK = 128  # its tokens a pass: a cancel (Enter pressed while it runs) waits for one pass at most
 
 
 @dataclass
@@ -281,7 +282,7 @@ class DraftModel:
         computed = 0
         try:
             while m.num_uncomputed_tokens and not (cancel is not None and cancel.is_set()):
-                n = min(m.num_uncomputed_tokens, PREFILL_CHUNK)
+                n = min(m.num_uncomputed_tokens, WARM_CHUNK)
                 self.runner.execute([StepItem(m, m.num_computed_tokens, n, False)])
                 self.blocks.mark_computed(m, n)
                 self._keep_full()
