@@ -46,11 +46,12 @@ def _chat_history(tokens: int, seed: int) -> list[dict[str, str]]:
     return history + [{"role": "user", "content": "Which of those words name a place?"}]
 
 
-def _once(plan: Plan, messages: list[dict[str, str]], max_tokens: int) -> tuple[Stats, str, dict[str, float]]:
+def _once(plan: Plan, messages: list[dict[str, str]], max_tokens: int,
+          ignore_eos: bool = False) -> tuple[Stats, str, dict[str, float]]:
     """One request in a process of its own: its stats, its reply, the process's load figures."""
     engine = _EngineProcess(plan, [])
     try:
-        stats, text = engine.reply(messages, max_tokens)
+        stats, text = engine.reply(messages, max_tokens, ignore_eos)
         return stats, text, engine.info
     finally:
         engine.close()
@@ -60,7 +61,7 @@ def bench_resume(model: str | None, history_tokens: int = 4000, rounds: int = 2,
                  draft: str | None = None) -> dict[str, Any]:
     n_ctx = max(2048, history_tokens + 1024)
     out: dict[str, Any] = {"scenario": "resume", "model": model or "smollm2-135m", "history_tokens": history_tokens}
-    new_tokens = DRAFT_REPLY if draft else 1  # of each measured request
+    new_tokens = DRAFT_REPLY if draft else 1  # of each measured request (all of them: past an end of text)
     if draft:
         out["draft"] = draft
     runs: dict[str, dict[str, list]] = {case: {"warm": [], "cold": [], "load_s": []} for case in ("chat", "serve")}
@@ -73,18 +74,19 @@ def bench_resume(model: str | None, history_tokens: int = 4000, rounds: int = 2,
             _, reply, _ = _once(warm, history, 48)
             follow = history + [{"role": "assistant", "content": reply},
                                 {"role": "user", "content": "Now list them in alphabetical order."}]
-            stats, _, info = _once(warm, follow, new_tokens)
+            stats, _, info = _once(warm, follow, new_tokens, bool(draft))
             runs["chat"]["warm"].append(stats)
             runs["chat"]["load_s"].append(info["load_s"])
-            runs["chat"]["cold"].append(_once(cold, follow, new_tokens)[0])
+            runs["chat"]["cold"].append(_once(cold, follow, new_tokens, bool(draft))[0])
             # serve: the same system prompt, another question, a new process
             system = {"role": "system", "content": "Use these notes to answer: " + _prompt(history_tokens, 500 + r)}
-            _once(warm, [system, {"role": "user", "content": "Which words name a colour?"}], 1)
+            # a reply of several tokens (a draft computes its K/V only once it proposes)
+            _once(warm, [system, {"role": "user", "content": "Which words name a colour?"}], 48 if draft else 1)
             second = [system, {"role": "user", "content": "Which words name a season?"}]
-            stats, _, info = _once(warm, second, new_tokens)
+            stats, _, info = _once(warm, second, new_tokens, bool(draft))
             runs["serve"]["warm"].append(stats)
             runs["serve"]["load_s"].append(info["load_s"])
-            runs["serve"]["cold"].append(_once(cold, second, new_tokens)[0])
+            runs["serve"]["cold"].append(_once(cold, second, new_tokens, bool(draft))[0])
     for case, got in runs.items():
         warm_ttft = statistics.median(s.ttft_s or 0.0 for s in got["warm"])
         cold_ttft = statistics.median(s.ttft_s or 0.0 for s in got["cold"])
