@@ -18,6 +18,7 @@ BACKENDS = ("auto", "llamacpp", "paged", "sparse", "remote")
 KV_DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 WEIGHTS = ("auto", "dense", "int4", "int8")
+DRAFT_WEIGHTS = ("auto", "file")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_CTX = 8192  # default context cap when the user does not ask for one
 
@@ -46,6 +47,7 @@ class Plan:
     # speculative decoding (paged backend)
     draft: str | None = None  # draft model name/path, or "ngram" for prompt lookup
     draft_k: int | None = None  # tokens proposed per step (None: adaptive)
+    draft_weights: str = "auto"  # auto: on the CPU, its tensors wider than 4.5 bits a weight as Q4_0; file: as stored
     # prompts
     chat_template: str | None = None  # a template name or Jinja file instead of the model's own
     # sparse backend
@@ -75,6 +77,8 @@ class Plan:
             raise LLMLocalError(f"Unknown dtype '{self.dtype}': choose one of {', '.join(DTYPES)}.")
         if self.weights not in WEIGHTS:
             raise LLMLocalError(f"Unknown weight mode '{self.weights}': choose one of {', '.join(WEIGHTS)}.")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise LLMLocalError(f"Unknown draft weight mode '{self.draft_weights}': choose one of {', '.join(DRAFT_WEIGHTS)}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise LLMLocalError(f"block_size must be a power of two, got {self.block_size}.")
         if self.kv_blocks is not None and self.kv_blocks < 1:

@@ -81,12 +81,14 @@ def _serve(engine: Engine, prompts: list[str], params: SamplingParams) -> dict[s
 
 def bench_spec(
     model: str | None, draft: str | None = None, max_tokens: int = 128, batch: int = 8, rounds: int = 1,
-    temperature: float = 0.0,
+    temperature: float = 0.0, draft_weights: tuple[str, ...] = ("auto",),
 ) -> dict[str, Any]:
     """The three engines (target alone, with the draft model, with n-gram lookup) are loaded
     together and take turns for ``rounds`` rounds, each round in a rotated order, so that a
     shared machine's drift hits them alike; each figure is the median over the rounds and the
-    speedups are medians of per-round ratios."""
+    speedups are medians of per-round ratios. ``draft_weights``: the draft engine's
+    `Plan.draft_weights`, and for each further value an engine of its own that takes its turn
+    too, at batch 1 (its speedups as ``speedup_<value>``)."""
     # Without --draft: the target at full precision, drafted by a 4-bit copy of itself. With a
     # draft model: the target as it runs for a user (its own weights, native kernels on a CPU).
     if draft:
@@ -98,7 +100,9 @@ def bench_spec(
     draft = draft or model or "smollm2-135m"
     single = {"plain": [plain], "ngram": [SUMMARISE]}
     many = {"plain": [f"{plain} ({i})" for i in range(batch)], "ngram": [f"{SUMMARISE}\n({i})" for i in range(batch)]}
-    plans = {"base": target, "draft": target.replace(draft=draft), "ngram": target.replace(draft="ngram")}
+    first, *others = draft_weights
+    plans = {"base": target, "draft": target.replace(draft=draft, draft_weights=first), "ngram": target.replace(draft="ngram")}
+    plans.update({f"draft@{w}": target.replace(draft=draft, draft_weights=w) for w in others})
     labels = list(plans)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0 if temperature else None)
     per_round: list[dict[str, dict[str, dict[str, float]]]] = []
@@ -112,7 +116,11 @@ def bench_spec(
             for label in labels[r % len(labels):] + labels[: r % len(labels)]:
                 engine = engines[label]
                 kind = "ngram" if label == "ngram" else "plain"
-                runs = {"batch1": _serve(engine, single[kind], params), f"batch{batch}": _serve(engine, many[kind], params)}
+                runs = {"batch1": _serve(engine, single[kind], params)}
+                if label.startswith("draft@"):  # another draft's weights: batch 1, both prompts
+                    figures[label] = {**runs, "summarise_batch1": _serve(engine, single["ngram"], params)}
+                    continue
+                runs[f"batch{batch}"] = _serve(engine, many[kind], params)
                 if label == "base":  # the plain target on the n-gram prompts too
                     runs["ngram_batch1"] = _serve(engine, single["ngram"], params)
                     runs[f"ngram_batch{batch}"] = _serve(engine, many["ngram"], params)
@@ -142,13 +150,19 @@ def bench_spec(
         if summarise is not None:
             out["summarise_speedup"] = summarise["tok_s"] / base_ngram["tok_s"]
             out["summarise_acceptance_rate"] = summarise["acceptance_rate"]
+        for w in others if size == "batch1" else ():
+            other = figures[f"draft@{w}"]
+            out[f"speedup_{w}"] = other[size]["tok_s"] / base["tok_s"]
+            out[f"acceptance_rate_{w}"] = other[size]["acceptance_rate"]
+            out[f"summarise_speedup_{w}"] = other[f"summarise_{size}"]["tok_s"] / base_ngram["tok_s"]
         return out
 
     def median_row(size: str) -> dict[str, Any]:
         rows = [row(figures, size) for figures in per_round]
         out: dict[str, Any] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
         if len(rows) > 1:
-            out["speedup_per_round"] = [round(r["speedup"], 3) for r in rows]
+            for key in [k for k in rows[0] if k.startswith(("speedup", "summarise_speedup"))]:
+                out[f"{key}_per_round"] = [round(r[key], 3) for r in rows]
         return out
 
     return {

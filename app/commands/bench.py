@@ -75,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, metavar="M",
                    help="spec: the draft model (default: the target's own file, as INT4); resume: draft with it, "
                         "and time 32-token replies (default: no draft)")
+    p.add_argument("--draft-weights", default="auto", metavar="LIST",
+                   help="spec: the draft's weights, comma-separated (auto: its tensors wider than 4.5 bits as Q4_0; "
+                        "file: as stored); each further one a draft engine of its own, taking turns (default: auto)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="spec: sample at temperature T with the chat's top-k, top-p and min-p (default: 0, greedy)")
     p.add_argument("--sparsity", type=float, default=None, metavar="S",
@@ -169,9 +172,14 @@ def run(args: argparse.Namespace) -> int:
         result = bench_grammar(args.model, backends, rounds=args.rounds or 3, threads=args.threads)
     else:
         from llmlocal.app.bench.spec import bench_spec
+        from llmlocal.engine.plan import DRAFT_WEIGHTS
 
+        weights = tuple(w.strip() for w in args.draft_weights.split(",") if w.strip())
+        if not weights or any(w not in DRAFT_WEIGHTS for w in weights):
+            raise LLMLocalError(f"--draft-weights takes {' or '.join(DRAFT_WEIGHTS)}, comma-separated, not "
+                                f"{args.draft_weights!r}.")
         result = bench_spec(args.model, args.draft, max_tokens=args.max_tokens, rounds=args.rounds or 1,
-                            temperature=args.temperature)
+                            temperature=args.temperature, draft_weights=weights)
     if args.json:
         print(json.dumps(result))
     else:

@@ -52,18 +52,22 @@ def pick_kv_dtype(plan: Plan, device: torch.device, dtype: torch.dtype) -> torch
 DRAFT_HEAD_IDS = 65536
 
 
-def load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n_ctx: int) -> LlamaModel:
+def load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n_ctx: int,
+               weights: str = "auto") -> LlamaModel:
     """The draft model's network; speculation pays by how much cheaper a draft token is than a
     target step, so its projections take the fastest native kernels, those of int8 activations
     (a draft's numbers only propose: the target checks every token; a file of 4-bit tensors
     alone would otherwise take the INT4 kernels of fp32 activations, whose numbers do not
     depend on batching: a Q4_0 0.5B drafts 41.7 tok/s against 26.1 on a Zen 3), and a large
-    vocabulary's head is cut to its first DRAFT_HEAD_IDS ids."""
+    vocabulary's head is cut to its first DRAFT_HEAD_IDS ids. ``weights`` "auto" (`Plan.
+    draft_weights`): its tensors of more bits a weight than Q4_0 requantized to Q4_0, since a
+    draft token costs its bytes (the Q4_K_M 0.5B holds its layers in Q5_0 and its head in Q8_0)."""
     if draft.spec.format != "gguf":
         return load_hf(draft.path, device, dtype, "auto", max_position=n_ctx)
     head_rows = DRAFT_HEAD_IDS if draft.spec.vocab_size > 2 * DRAFT_HEAD_IDS else None
     return load_gguf(draft.spec, device, dtype, "auto", max_position=n_ctx, int4=native_int4(device, dtype),
-                     quant=native_quant(device, dtype, draft.spec, mode="int8"), head_rows=head_rows)
+                     quant=native_quant(device, dtype, draft.spec, mode="int8", q4_0=weights == "auto"),
+                     head_rows=head_rows)
 
 
 def make_drafter(plan: Plan, target: ModelSpec, runner: ModelRunner, n_ctx: int, kv_dtype: torch.dtype) -> Drafter:
@@ -74,7 +78,7 @@ def make_drafter(plan: Plan, target: ModelSpec, runner: ModelRunner, n_ctx: int,
         return NgramDrafter()
     draft = resolve(plan.draft)
     check_same_vocabulary(target, draft.spec, plan.draft)
-    net = load_draft(draft, runner.device, runner.model.dtype, n_ctx)
+    net = load_draft(draft, runner.device, runner.model.dtype, n_ctx, plan.draft_weights)
     draft_runner = ModelRunner(net, runner.num_blocks, runner.block_size, kv_dtype=kv_dtype)
     FastDecode.attach(draft_runner)
     return DraftModel(draft_runner, disk=open_disk_tier(draft, plan, draft_runner, role="draft"))
@@ -115,7 +119,8 @@ def open_disk_tier(model: ResolvedModel, plan: Plan, runner: ModelRunner, role: 
         kernels = runtime.isa() if runtime.built() else "none"
         if kernels != "none" and model.spec.format == "gguf":  # int8 and fp32 activations give other KV
             kernels += f"|acts={'int8' if role == 'draft' else activations(model.spec, sparse=role == 'sparse')}"
-    weights = plan.weights if role == "paged" else "auto"  # (the sparse backend and a draft load "auto")
+    # the sparse backend loads "auto"; a draft too, its wider tensors as Q4_0 unless told otherwise
+    weights = {"paged": plan.weights, "draft": f"auto|draft={plan.draft_weights}"}.get(role, "auto")
     numerics = (f"{role}|{runner.device.type}|{net.dtype}|kv={k.dtype}|weights={weights}|kernels={kernels}"
                 f"|rope={rope.hexdigest()}")
     if role == "sparse":  # the calibration, whether or not the fingerprint's bytes cover the file's metadata

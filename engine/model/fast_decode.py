@@ -27,7 +27,7 @@ from llmlocal.native.cpu import kernels
 from llmlocal.native.cpu import runtime as sparse_int4_runtime
 from llmlocal.native.cpu.linear import QuantLinear, prompt_rows, prompt_rows_from
 from llmlocal.native.cpu.pack_ahead import PackAhead
-from llmlocal.native.cpu.qlayout import QuantRows
+from llmlocal.native.cpu.qlayout import QuantRows, requantize_q4_0, wider_than_q4_0
 
 from ..core.model_runner import ModelRunner
 from .attention import AttentionMetadata
@@ -57,7 +57,7 @@ def native_int4(device: torch.device, dtype: torch.dtype) -> type[SparseInt4Proj
 
 def native_quant(
     device: torch.device, dtype: torch.dtype, spec: ModelSpec, sparse: bool | Callable[[QuantRows], bool] = False,
-    ahead: PackAhead | None = None, mode: str | None = None,
+    ahead: PackAhead | None = None, mode: str | None = None, q4_0: bool = False,
 ) -> QuantFactory | None:
     """The layer for the GGUF quantized projections of ``spec``'s file on this device: the
     int8-activation kernels reading each tensor in its own bytes (every type of
@@ -67,7 +67,9 @@ def native_quant(
     Activations as `gguf_parts.activations` says: with fp32 the 4-bit types keep the INT4
     kernels (closer to an exact reference, slower: see docs/backends.md), and only the others
     take the int8 path. ``ahead``: the dense layout of projections packed beforehand
-    (`gguf_parts.start_packing`). ``mode`` ("int8" or "fp32") overrides the activations."""
+    (`gguf_parts.start_packing`). ``mode`` ("int8" or "fp32") overrides the activations.
+    ``q4_0``: tensors of more bits a weight than Q4_0 requantized to it (`wider_than_q4_0`: a
+    draft model's, `paged_setup.load_draft`)."""
     if native_int4(device, dtype) is None:
         return None
     mode = mode or activations(spec)
@@ -76,6 +78,8 @@ def native_quant(
         if mode == "fp32" and all(p.qtype in INT4_TYPES for p in parts):
             return None  # the INT4 factory takes them
         columns = sparse(parts[0]) if callable(sparse) else sparse
+        if q4_0:
+            parts = [(requantize_q4_0(p) or p) if wider_than_q4_0(p.qtype) else p for p in parts]
         return QuantProjection(parts, bias, interleaved=not columns, ahead=None if columns else ahead)
 
     return build

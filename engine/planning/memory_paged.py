@@ -61,10 +61,11 @@ def _int4_bytes(n: int, k: int) -> int:
     return n * k // 2 + (k // 32) * n * 4  # codes + (scale, zero) in bf16 per group of 32
 
 
-def _paged_group(parts: list[TensorInfo], mode: str, act_bytes: int, int8_acts: bool = False) -> int:
+def _paged_group(parts: list[TensorInfo], mode: str, act_bytes: int, int8_acts: bool = False, q4_0: bool = False) -> int:
     """Bytes of one fused projection (loader._fuse): INT4 only if every part can be, and
     (``int8_acts``: the native kernels' int8 activations, `gguf_parts.activations`) not where
-    the CPU kernels read every type in the file's own bytes."""
+    the CPU kernels read every type in the file's own bytes; ``q4_0``: those of more bytes a
+    weight as Q4_0 (a draft's, `paged_setup.load_draft`)."""
     shapes = [_rows_cols(t) for t in parts]
     n = sum(s[0] for s in shapes)
     k = shapes[0][1]
@@ -72,8 +73,8 @@ def _paged_group(parts: list[TensorInfo], mode: str, act_bytes: int, int8_acts: 
     exact_int4 = all(t.ggml_type in INT4_TYPES and t.shape[0] % 32 == 0 for t in parts)
     if mode in ("auto", "int4") and exact_int4 and not (native and int8_acts):
         return _int4_bytes(n, k)
-    if native:
-        return sum(t.n_bytes for t in parts)  # the CPU kernels keep the file's bytes
+    if native:  # the CPU kernels keep the file's bytes
+        return sum(min(t.n_bytes, t.n_elements // 32 * 18) if q4_0 else t.n_bytes for t in parts)
     if mode == "int4" and k % 32 == 0:
         return _int4_bytes(n, k)
     if mode == "int8":
@@ -105,7 +106,11 @@ class _PagedWeights:
         return self.body + self.embed
 
 
-def _paged_weights(spec: ModelSpec, mode: str, act_bytes: int) -> _PagedWeights:
+def _paged_weights(spec: ModelSpec, mode: str, act_bytes: int, draft: str | None = None) -> _PagedWeights:
+    """``draft``: the model as a draft loads it (int8 activations; ``draft`` is its
+    `Plan.draft_weights`), else None."""
+    q4_0 = draft == "auto"
+
     def build() -> _PagedWeights:
         t = _layer_tensors(spec)
         body = largest = fused = 0
@@ -117,7 +122,7 @@ def _paged_weights(spec: ModelSpec, mode: str, act_bytes: int) -> _PagedWeights:
             for group in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)):
                 parts = [t[b + g + ".weight"] for g in group if b + g + ".weight" in t]
                 if parts:
-                    body += _paged_group(parts, mode, act_bytes, int8_acts)
+                    body += _paged_group(parts, mode, act_bytes, int8_acts, q4_0)
                     if not (int8_acts and _native(parts)):
                         largest = max(largest, *(p.n_elements for p in parts))
                     fused = max(fused, sum(p.n_elements for p in parts))
@@ -129,7 +134,7 @@ def _paged_weights(spec: ModelSpec, mode: str, act_bytes: int) -> _PagedWeights:
         rows = n_emb // spec.d_model
         tied = "output.weight" not in t
         if not tied:
-            body += _paged_group([t["output.weight"]], mode, act_bytes, int8_acts)
+            body += _paged_group([t["output.weight"]], mode, act_bytes, int8_acts, q4_0)
         if emb is not None and mode == "auto" and act_bytes == 4 and _native([emb]):
             # the CPU path: token rows read from the file's mapped bytes, a tied head packed from
             # them. Loading holds the file's pages of what is being packed (GGUFTensors.
@@ -152,15 +157,16 @@ def _paged_weights(spec: ModelSpec, mode: str, act_bytes: int) -> _PagedWeights:
         embed = n_emb + rows * 4 if int8_head else n_emb * act_bytes  # INT8 rows + an fp32 scale per row
         return _PagedWeights(body, embed, n_emb * 4, int8_head, largest)
 
-    acts = activations(spec) if mode == "auto" and act_bytes == 4 else ""
-    return _cached(spec, ("paged", mode, act_bytes, acts), build)
+    acts = ("int8" if draft else activations(spec)) if mode == "auto" and act_bytes == 4 else ""
+    return _cached(spec, ("paged", mode, act_bytes, acts, draft), build)
 
 
-def paged_weight_bytes(spec: ModelSpec, plan: Plan, act_bytes: int) -> int:
-    """Bytes of the paged engine's model once loaded: weights, norms, RoPE table."""
+def paged_weight_bytes(spec: ModelSpec, plan: Plan, act_bytes: int, draft: bool = False) -> int:
+    """Bytes of the paged engine's model once loaded (``draft``: as the draft model of
+    ``plan``): weights, norms, RoPE table."""
     n_ctx = plan.n_ctx or spec.context_length
     rope = n_ctx * (spec.head_dim // 2) * 8  # complex64 rotation factors per position
-    w = _paged_weights(spec, plan.weights, act_bytes)
+    w = _paged_weights(spec, plan.weights, act_bytes, plan.draft_weights if draft else None)
     if w.embed_mapped:  # the embedding's pages a context touches: a row a token, two pages at most
         return w.body + min(w.embed, n_ctx * EMBED_PAGES_PER_TOKEN) + rope
     return w.total + rope
@@ -182,8 +188,8 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
     tokens = blocks * plan.block_size
     # the draft loads with weights "auto" and its own KV pool of the same number of blocks
     models = [(spec, plan)] + ([(draft, plan.replace(weights="auto"))] if draft is not None else [])
-    tables = [_paged_weights(m, p.weights, act) for m, p in models]
-    weights = [paged_weight_bytes(m, p, act) for m, p in models]
+    tables = [_paged_weights(m, p.weights, act, p.draft_weights if i else None) for i, (m, p) in enumerate(models)]
+    weights = [paged_weight_bytes(m, p, act, draft=i > 0) for i, (m, p) in enumerate(models)]
     kv = [paged_kv_bytes_per_token(m, paged_kv_dtype(plan, dtype, on_gpu)) * tokens for m, _ in models]
 
     chunk = min(plan.max_batch_tokens, n_ctx)

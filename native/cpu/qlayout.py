@@ -411,6 +411,26 @@ def pack_rows(parts: list[QuantRows]) -> PackedQuant | None:
     return PackedQuant(qtype, n, k, codes, d, m, sc, mn, interleaved=True)
 
 
+def wider_than_q4_0(qtype: int) -> bool:
+    """Whether a type reads more bytes a weight than Q4_0 (18 per 32): every other but Q4_K."""
+    f = FORMATS[qtype]
+    return f.block_bytes * FORMATS[Q4_0].block_values > FORMATS[Q4_0].block_bytes * f.block_values
+
+
+def requantize_q4_0(rows: QuantRows) -> QuantRows | None:
+    """The rows as Q4_0 (4.5 bits a weight), dequantized and quantized again in one C pass: a
+    draft model's projections, whose numbers only propose (the target checks every token), read
+    fewer bytes so. Each block of 32 takes d = its value of largest magnitude / -8 (as fp16) and
+    each value the nearest code (`qm_requant_q4_0`). None without the kernels."""
+    kernels = _kernels()
+    if kernels is None:
+        return None
+    n, k = rows.shape
+    out = np.empty((n, k // 32 * FORMATS[Q4_0].block_bytes), dtype=np.uint8)
+    kernels.requant_q4_0(rows.qtype, rows.addresses(), n, k, out)
+    return QuantRows(Q4_0, out, name=f"{rows.name}@Q4_0" if rows.name else "")
+
+
 def quantize_activations(x: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The kernels' int8 activations: per row and block of 32 inputs, dx = max |kept x| / 127,
     qx = round-half-even(x / dx) (as x * (1 / dx) in float32) where kept, else 0."""

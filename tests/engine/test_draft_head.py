@@ -32,7 +32,8 @@ def load(prefix: int | None) -> torch.nn.Module:
         cpu = torch.device("cpu")
         return load_gguf(model.spec, cpu, torch.float32, "auto", max_position=512, int4=native_int4(cpu, torch.float32),
                          quant=native_quant(cpu, torch.float32, model.spec))
-    return paged_setup.load_draft(model, torch.device("cpu"), torch.float32, 512)
+    # the file's own types: the cut head computes its rows as the whole head does
+    return paged_setup.load_draft(model, torch.device("cpu"), torch.float32, 512, weights="file")
 
 
 def test_head_computes_its_prefix_and_the_tokens_it_was_told_of(small_head) -> None:
@@ -106,12 +107,31 @@ def test_a_grammar_that_allows_only_tokens_the_head_lacks_stops_the_draft(monkey
     greedy = SamplingParams(temperature=0, max_tokens=20, grammar=grammar)
     with Engine.load(plan) as e:
         expected = reply(e, greedy).text
-    with Engine.load(plan.replace(draft="smollm2-135m", draft_k=3)) as e:
+    with Engine.load(plan.replace(draft="smollm2-135m", draft_k=3, draft_weights="file")) as e:
         done = reply(e, greedy)
         assert done.text == expected
         assert done.stats.drafted_tokens == done.stats.accepted_tokens
         sampled = reply(e, SamplingParams(temperature=0.9, seed=3, max_tokens=20, grammar=grammar))
         assert sampled.text in ("Photosynthesis in green leaves", "Volcanic eruptions underwater")
+
+
+def test_a_drafts_wider_tensors_run_as_q4_0() -> None:
+    # The starter's Q4_1 projections (5 bits a weight) and its Q8_0 head as Q4_0 by default; as
+    # stored with draft_weights "file". A Q4_K tensor (4.5 bits) would stay as it is.
+    from llmlocal.native.cpu.qlayout import Q4_0, Q4_1, Q8_0
+
+    draft, cpu = resolve(None), torch.device("cpu")
+
+    def qtypes(net: torch.nn.Module) -> set[int]:
+        return {t for m in net.modules() for t in getattr(getattr(m, "kernel", None), "qtypes", [])}
+
+    auto = paged_setup.load_draft(draft, cpu, torch.float32, 256)
+    assert qtypes(auto) == {Q4_0}
+    assert qtypes(auto.lm_head) == {Q4_0}  # the head too (the starter's is Q8_0)
+    stored = paged_setup.load_draft(draft, cpu, torch.float32, 256, weights="file")
+    assert qtypes(stored) == {Q4_1, Q8_0}
+    assert sum(p.nbytes for m in auto.modules() for p in getattr(getattr(m, "kernel", None), "packed", [])) < \
+        0.92 * sum(p.nbytes for m in stored.modules() for p in getattr(getattr(m, "kernel", None), "packed", []))
 
 
 def test_a_4bit_draft_takes_the_int8_kernels(tmp_path) -> None:

@@ -1064,6 +1064,31 @@ static PyObject *py_pack_rows(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* requant_q4_0(type, rows, n, k, out): n rows of a GGUF tensor (rows: their uint64 addresses)
+ * as Q4_0 blocks into out (n, k / 32 * 18) uint8 (qm_requant_q4_0). */
+static PyObject *py_requant_q4_0(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *orows, *oout;
+    int qtype, n, k;
+    if (!PyArg_ParseTuple(args, "iOiiO", &qtype, &orows, &n, &k, &oout)) return NULL;
+    if (n < 1 || k < 32 || k % 32) return PyErr_Format(PyExc_ValueError, "requant_q4_0: bad shape (n %d, k %d)", n, k);
+    Py_buffer vr, vo;
+    void *pr, *po;
+    if (get_ptr(orows, &vr, 0, (size_t)n * 8, 0, &pr, "rows") < 0) return NULL;
+    if (get_ptr(oout, &vo, 1, (size_t)n * (size_t)(k / 32) * 18, 0, &po, "out") < 0) {
+        release(&vr);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = qm_requant_q4_0(qtype, (const uint8_t *const *)pr, n, k, po);
+    Py_END_ALLOW_THREADS
+    release(&vr);
+    release(&vo);
+    if (rc) return PyErr_Format(PyExc_ValueError, "requant_q4_0: type %d with rows of %d values is not read", qtype, k);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"decode_codes", py_decode_codes, METH_VARARGS,
      "decode_codes(raw, n, nb, type, out): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K block bytes into "
@@ -1071,6 +1096,9 @@ static PyMethodDef module_methods[] = {
     {"pack_rows", py_pack_rows, METH_VARARGS,
      "pack_rows(type, rows, n, k, codes, d, m, sc, mn): n rows of a GGUF tensor (rows: their uint64 addresses) "
      "into the interleaved QMatrix arrays."},
+    {"requant_q4_0", py_requant_q4_0, METH_VARARGS,
+     "requant_q4_0(type, rows, n, k, out): n rows of a GGUF tensor (rows: their uint64 addresses) as Q4_0 blocks "
+     "into out (n, k / 32 * 18) uint8."},
     {"pack_interleaved", py_pack_interleaved, METH_VARARGS,
      "pack_interleaved(codes, n, k, bits, group, out): codes (n, k) uint8 into the interleaved QMatrix layout."},
     {"to_f16", (PyCFunction)(void (*)(void))py_to_f16, METH_FASTCALL, "to_f16(x, out): float32 -> fp16 bits."},

@@ -173,6 +173,12 @@ int qm_decode_codes(const uint8_t *raw, size_t n, size_t nb, int type, uint8_t *
 int qm_pack_rows(int type, const uint8_t *const *rows, int n, int k, int bits, int group, int dgroup, uint8_t *codes,
                  uint16_t *d, uint16_t *m, uint8_t *sc, uint32_t *mn);
 
+/* n rows of a GGUF tensor as qm_pack_rows reads them (any type it reads, Q8_0 too), each
+ * dequantized and quantized again as Q4_0 blocks (18 bytes a 32 values: row r at out + r k / 32
+ * * 18): a draft model's weights at 4.5 bits, whose numbers only propose. 0, or -1 for a type
+ * it does not read or k not whole blocks. */
+int qm_requant_q4_0(int type, const uint8_t *const *rows, int n, int k, uint8_t *out);
+
 typedef void (*qm_dequant_fn)(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 void qm_dequant(const qm_matrix *m, int j0, int j1, int row0, int row1, float *out, size_t out_stride);
 #ifdef LLMLOCAL_X86_VARIANTS

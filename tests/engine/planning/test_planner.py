@@ -326,6 +326,20 @@ def test_a_draft_model_is_counted_and_chosen_when_it_fits() -> None:
     assert 1.5 * GIB < extra < 2.5 * GIB  # the draft's bf16 weights and INT8 head
 
 
+def test_a_cpu_draft_is_counted_as_it_loads_its_wider_tensors_as_q4_0() -> None:
+    # its Q8_0 projections and head (34 bytes a 32 weights) as Q4_0 (18), unless kept as stored
+    draft = model("Llama-3.2-1B", 16, 2048, 32, 8, 8192, 128256, 131072, "Q8_0", tied=False)
+    pins = Pins(backend="paged", device="cpu", n_ctx=2048)
+    weights = {}
+    for mode in ("auto", "file"):
+        c = choose([llama_8b("Q4_K_M")], WORKSTATION_24GB_GPU, pins, Plan(model="llama-8b", draft_weights=mode), draft=draft)
+        assert c.plan.draft == draft.path and c.plan.draft_weights == mode
+        weights[mode] = c.chosen.devices[0].weights
+    projections = sum(t.n_elements for t in draft.tensors if t.name.endswith(".weight") and t.name != "token_embd.weight"
+                      and len(t.shape) == 2)
+    assert weights["file"] - weights["auto"] == pytest.approx(projections // 32 * 16, rel=0.01)
+
+
 def test_json_has_the_documented_keys() -> None:
     c = choose([llama_8b("Q4_K_M")], DESKTOP_6GB_GPU)
     out = json.loads(json.dumps(c.to_dict()))
