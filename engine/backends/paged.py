@@ -291,6 +291,8 @@ class PagedBackend(LocalBackend):
         new_tokens = self._sample(logits, sampled_items)
         if self.draft_length is not None and (plain or checks):
             self.draft_length.observe_target(out.num_batched_tokens, time.perf_counter() - t0, plain)
+        elif self.draft_length is not None:  # what prices a draft's catch-up before it has run one
+            self.draft_length.observe_prompt(out.num_batched_tokens, time.perf_counter() - t0)
         sampled: dict[int, int] = {}
         accepted: dict[int, int] = {}
         stopped: set[int] = set()
@@ -385,7 +387,9 @@ class PagedBackend(LocalBackend):
             return
         step_tokens = min(self.scheduler.max_num_batched_tokens, sum(s.num_uncomputed_tokens for s in running))
         room = {s.seq_id: self.scheduler.token_limit(s) - s.num_tokens - 1 for s in decoding}
-        ks = self.draft_length.choose([s.seq_id for s in decoding], step_tokens, room)
+        lag = {s.seq_id: self.drafter.lag(s) for s in decoding} if isinstance(self.drafter, DraftModel) else None
+        decoded = {s.seq_id: s.num_tokens - s.num_prompt_tokens for s in decoding}
+        ks = self.draft_length.choose([s.seq_id for s in decoding], step_tokens, room, lag, decoded)
         self.draft_length.decay_idle([sid for sid, k in ks.items() if k == 0])
         requests = []
         for seq in decoding:

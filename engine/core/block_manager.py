@@ -170,7 +170,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether ``allocate(seq)`` would succeed now."""
         self._check_unheld(seq)
-        in_pool = [b for b, _ in self._find_hits(seq) if b is not None]
+        in_pool = [b for b, _ in self._find_hits(seq.token_ids) if b is not None]
         new = seq.num_blocks_needed(self.block_size) - len(in_pool)  # lower-tier hits need a block too
         revived = sum(1 for b in in_pool if self._blocks[b].ref_count == 0)  # hits taken off the free list
         return new + revived <= self.num_free_blocks
@@ -189,7 +189,7 @@ class BlockManager:
                 f"sequence {seq.seq_id} needs {seq.num_blocks_needed(self.block_size)} blocks and "
                 f"only {self.num_free_blocks} are free; call can_allocate() first"
             )
-        hits = self._find_hits(seq)
+        hits = self._find_hits(seq.token_ids)
         for block_id, _ in hits:
             if block_id is None:
                 continue
@@ -213,7 +213,11 @@ class BlockManager:
         self._holders[seq.seq_id] = seq
         return loads
 
-    def _find_hits(self, seq: Sequence) -> list[tuple[int | None, int]]:
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """Tokens a sequence of ``token_ids`` would find computed at `allocate` (pool or lower tier)."""
+        return len(self._find_hits(token_ids)) * self.block_size
+
+    def _find_hits(self, token_ids: list[int]) -> list[tuple[int | None, int]]:
         """The leading full blocks found, with their keys: a pool block id, or None where only
         the lower tier has the block."""
         # NOTE: when every token lies in cached full blocks, the last block is treated as a
@@ -224,7 +228,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[tuple[int | None, int]] = []
-        for key, _ in prefix_blocks(seq.token_ids, self.block_size, self.root_key):
+        for key, _ in prefix_blocks(token_ids, self.block_size, self.root_key):
             block_id = self._cache.get(key)
             if block_id is None and (self.lower is None or not self.lower.has(key)):
                 break

@@ -139,12 +139,24 @@ class DraftModel:
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True,
                                    root_key=disk.root_key if disk else ROOT_KEY, lower=disk)
         self._mirrors: dict[int, Sequence] = {}
+        self._cached: dict[int, int] = {}  # tokens found computed, by sequence without a mirror (`lag`)
         self.seconds = 0.0
         self.last_passes = 0  # forward passes and tokens of the last `propose`
         self.last_tokens = 0
         self.checked = 0  # proposals that checked a looked-up continuation
 
+    def lag(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` the draft would compute before its first proposal for it: those its
+        prefix cache (pool or disk) lacks; 0 once it has a mirror (it keeps up step by step)."""
+        if seq.seq_id in self._mirrors:
+            return 0
+        cached = self._cached.get(seq.seq_id)
+        if cached is None:  # (its prompt's, looked up once: each step adds a token at most)
+            cached = self._cached[seq.seq_id] = self.blocks.cached_tokens(seq.token_ids)
+        return seq.num_tokens - cached
+
     def release(self, seq_id: int) -> None:
+        self._cached.pop(seq_id, None)
         mirror = self._mirrors.pop(seq_id, None)
         if mirror is not None and mirror.block_table:
             self.blocks.free(mirror)

@@ -31,6 +31,15 @@ pay) and a tenth where it is bound by memory (Sapphire Rapids: it does, 1.3x at 
 a draft model is probed once, when the controller would not draft on its priors: in a few
 steps one sequence drafts 1 to 4 tokens, which measures the checking steps' cost (their slope
 per token too) and the acceptance; from then on the measurements decide.
+
+A draft model's first proposal for a sequence first computes the draft's K/V of everything
+before it that its prefix cache lacks: a cold 650-token prompt cost the 0.5B about 4 s on a
+Zen 3, so a 48-token reply drafted came 0.8x as fast as not drafting. A sequence whose draft
+lags so starts drafting only where the reply left to it is expected to save more than the
+catch-up costs: its tokens left (its room, at most the larger of REPLY_PRIOR and what it has
+decoded so far: a reply that has run long tends to run on) times the seconds a token saves.
+The catch-up is priced per token as the draft's long passes measured, or before any, as the
+target's prompt steps per token scaled by the draft's share of the bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ from dataclasses import dataclass, field
 DECAY = 0.9  # weight of the past in the acceptance counts, per step
 FIRST_TRY = 0.8  # a new sequence's prior acceptance at least: enough to draft where drafts are cheap
 PROBE_KS = (1, 2, 3, 4, 2, 3)  # draft lengths of the probing steps: several, for the slope
+REPLY_PRIOR = 256  # tokens a reply is expected to run, at least, when pricing a draft's catch-up
+PROBE_SAVING = 0.25  # of a plain step per token: what a probe hopes drafting saves
+LONG_PASS = 32  # tokens a draft pass computes at least to be counted a catch-up
 
 
 @dataclass
@@ -130,6 +142,9 @@ class DraftLength:
         self._probe: list[int] = []  # draft lengths still to try in the probe
         self._free = draft_ratio <= 0.0  # a drafter without passes (n-gram lookup): never probed
         self._probed = self._free
+        self.draft_ratio = draft_ratio
+        self._prompt_s: float | None = None  # seconds per token of the target's prompt steps
+        self._catch_up_s: float | None = None  # ... of the draft's long passes (its catch-ups)
 
     def _counts(self, seq_id: int) -> _Acceptance:
         acc = self._acc.get(seq_id)
@@ -168,6 +183,20 @@ class DraftLength:
         """The draft ran ``passes`` forward passes over ``tokens`` tokens in all."""
         if passes:
             self.draft.observe(round(tokens / passes), seconds / passes)
+            if tokens >= LONG_PASS * passes:
+                self._catch_up_s = _ema(self._catch_up_s, seconds / tokens)
+
+    def observe_prompt(self, tokens: int, seconds: float) -> None:
+        """A target step with a prompt in it computed ``tokens`` tokens in ``seconds``."""
+        if tokens >= LONG_PASS:
+            self._prompt_s = _ema(self._prompt_s, seconds / tokens)
+
+    def catch_up_cost(self, tokens: int) -> float:
+        """Seconds the draft would take to compute ``tokens`` tokens it lacks (0: not known)."""
+        per_token = self._catch_up_s
+        if per_token is None:
+            per_token = self.draft_ratio * self._prompt_s if self._prompt_s is not None else 0.0
+        return tokens * per_token
 
     def forget(self, seq_id: int) -> None:
         self._acc.pop(seq_id, None)
@@ -185,13 +214,39 @@ class DraftLength:
             acc.kept = 2.0 * p + (acc.kept - 2.0 * p) * DECAY
             acc.rejected = 2.0 * (1.0 - p) + (acc.rejected - 2.0 * (1.0 - p)) * DECAY
 
-    def choose(self, seq_ids: list[int], batch: int, room: dict[int, int]) -> dict[int, int]:
+    def choose(self, seq_ids: list[int], batch: int, room: dict[int, int], lag: dict[int, int] | None = None,
+               decoded: dict[int, int] | None = None) -> dict[int, int]:
         """k for each of ``seq_ids`` (the decoding sequences; ``batch`` counts every sequence
-        in the step, prefills included). ``room`` caps k per sequence (max_tokens, context)."""
+        in the step, prefills included). ``room`` caps k per sequence (max_tokens, context);
+        ``lag``: tokens a sequence's draft would compute before proposing, ``decoded``: tokens
+        it has decoded (see the module's docstring; a fixed k ignores them)."""
         if not seq_ids:
             return {}
         if self.fixed is not None:
             return {sid: max(0, min(self.fixed, room[sid])) for sid in seq_ids}
+        waits: set[int] = set()  # sequences whose draft's catch-up would cost more than it saves
+        if lag and any(lag.values()):
+            saving = self._saving(batch, seq_ids)
+            for sid in seq_ids:
+                left = min(room[sid], max(REPLY_PRIOR, (decoded or {}).get(sid, 0)))
+                if self.catch_up_cost(lag.get(sid, 0)) > left * saving:
+                    waits.add(sid)
+        chosen = dict.fromkeys(seq_ids, 0)
+        ready = [sid for sid in seq_ids if sid not in waits]
+        if ready:  # (the probe waits for a sequence that may draft)
+            chosen.update(self._choose(ready, batch, room))
+        return chosen
+
+    def _saving(self, batch: int, seq_ids: list[int]) -> float:
+        """Seconds a decoded token saves with the best drafting the model sees now; before the
+        probe has measured it, what the probe hopes for (PROBE_SAVING of a plain step)."""
+        plain = self._plain_cost(batch) / batch
+        if not self._probed or self._probe:
+            return PROBE_SAVING * plain
+        speed, k, _ = self._best(batch, sorted((self.rate(s) for s in seq_ids), reverse=True))
+        return max(0.0, plain - 1.0 / speed) if k else 0.0
+
+    def _choose(self, seq_ids: list[int], batch: int, room: dict[int, int]) -> dict[int, int]:
         if self._probe:  # one sequence drafts (a draft model catches up with one prompt only)
             k, first = self._probe.pop(0), max(seq_ids, key=self.rate)
             return {sid: max(0, min(k, room[sid])) if sid == first else 0 for sid in seq_ids}
@@ -202,8 +257,21 @@ class DraftLength:
             # (A drafter without passes, n-gram lookup, costs next to nothing: no probing.)
             return {sid: max(0, min(1, room[sid])) for sid in seq_ids}
         order = sorted(seq_ids, key=self.rate, reverse=True)
-        rates = [self.rate(s) for s in order]
-        best = (batch / self._plain_cost(batch), 0, 0)  # (tokens per second, k, how many draft)
+        _, k, m = self._best(batch, [self.rate(s) for s in order])
+        if k == 0 and not self._probed and len(self.plain.history) >= 4:
+            # not on the priors: measure instead, once (see the module's docstring)
+            self._probed = True
+            self._probe = list(PROBE_KS)
+            return self._choose(seq_ids, batch, room)
+        chosen = {sid: 0 for sid in seq_ids}
+        for sid in order[:m]:
+            chosen[sid] = max(0, min(k, room[sid]))
+        return chosen
+
+    def _best(self, batch: int, rates: list[float]) -> tuple[float, int, int]:
+        """(tokens per second, k, m) of the best choice "the m sequences of the best acceptance
+        (``rates``, best first) draft k tokens": k = 0 where not drafting is best."""
+        best = (batch / self._plain_cost(batch), 0, 0)
         # Once probed, the cost of checking is known only as far as it was measured: a step is
         # bound by memory up to some width and by arithmetic beyond (a CPU at batch 8), which
         # a line fitted to narrow steps does not foresee. So the controller drafts at most one
@@ -211,7 +279,7 @@ class DraftLength:
         widest = max(self.target.by_width, default=0)
         for k in range(1, self.k_max + 1):
             gained = 0.0
-            for m in range(1, len(order) + 1):
+            for m in range(1, len(rates) + 1):
                 gained += expected_tokens(k, rates[m - 1]) - 1.0
                 if self._probed and not self._free and batch + k * m > widest + 1:
                     break  # beyond the checking steps measured, by more than a token: not trusted
@@ -219,13 +287,8 @@ class DraftLength:
                 speed = (batch + gained) / seconds
                 if speed > best[0]:
                     best = (speed, k, m)
-        _, k, m = best
-        if k == 0 and not self._probed and len(self.plain.history) >= 4:
-            # not on the priors: measure instead, once (see the module's docstring)
-            self._probed = True
-            self._probe = list(PROBE_KS)
-            return self.choose(seq_ids, batch, room)
-        chosen = {sid: 0 for sid in seq_ids}
-        for sid in order[:m]:
-            chosen[sid] = max(0, min(k, room[sid]))
-        return chosen
+        return best
+
+
+def _ema(old: float | None, new: float, weight: float = 0.5) -> float:
+    return new if old is None else weight * old + (1.0 - weight) * new

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from llmlocal.engine.spec.spec_control import DraftLength
 
 
@@ -170,3 +171,52 @@ def test_not_drafting_is_never_priced_above_a_checking_step_of_as_many_tokens() 
             dl.observe(sid, 1, 1)
     ks = dl.choose(seqs, 8, {sid: 100 for sid in seqs})
     assert sum(ks.values()) <= 1  # at most one sequence tries one token (a width not yet measured)
+
+
+def _paying() -> DraftLength:
+    """Measured costs where drafting pays (the Sapphire Rapids figures above), a 0.4 draft."""
+    dl = DraftLength(draft_ratio=0.4, per_token=0.8)
+    for _ in range(4):
+        dl.observe_target(1, 0.045, plain=True)
+    for width, seconds in ((2, 0.053), (3, 0.059), (4, 0.065), (5, 0.077)):
+        for _ in range(2):
+            dl.observe_target(width, seconds)
+    for _ in range(4):
+        dl.observe_draft(1, 1, 0.017)
+    dl._probed = True
+    for _ in range(6):
+        dl.observe(1, 3, 3)
+    return dl
+
+
+def test_a_long_catch_up_waits_until_the_reply_left_can_repay_it() -> None:
+    # a 650-token prompt at 17 ms a token (the target's prompt steps) and a draft of 0.4 of its
+    # bytes: about 4.4 s of catch-up, which 47 tokens left cannot repay, nor a reply expected to
+    # run REPLY_PRIOR tokens; one that has run 600 of its 1,000 can
+    dl = _paying()
+    dl.observe_prompt(650, 650 * 0.017)
+    assert dl.catch_up_cost(650) == pytest.approx(650 * 0.017 * 0.4)
+    assert dl.choose([1], 1, {1: 47}, lag={1: 650}, decoded={1: 1}) == {1: 0}
+    assert dl.choose([1], 1, {1: 1000}, lag={1: 650}, decoded={1: 1}) == {1: 0}
+    assert dl.choose([1], 1, {1: 1000}, lag={1: 650}, decoded={1: 600})[1] >= 2
+    # with no max_tokens a reply is expected to run REPLY_PRIOR tokens, or as long as it has
+    # run already: the same sequence drafts once it has decoded enough to repay it
+    assert dl.choose([1], 1, {1: 4000}, lag={1: 4000}, decoded={1: 1}) == {1: 0}
+    assert dl.choose([1], 1, {1: 4000}, lag={1: 4000}, decoded={1: 3000})[1] >= 2
+    # a short prompt's catch-up, or a draft that keeps up already, drafts at once; another
+    # sequence of the step is not held back by one that waits
+    assert dl.choose([1, 2], 2, {1: 47, 2: 47}, lag={1: 650, 2: 16}, decoded={1: 1, 2: 1})[2] >= 1
+    # measured catch-ups price it from then on
+    dl.observe_draft(600, 3, 600 * 0.001)
+    assert dl.catch_up_cost(650) < 650 * 0.017 * 0.4
+
+
+def test_the_probe_waits_for_a_sequence_whose_catch_up_it_can_repay() -> None:
+    dl = DraftLength(draft_ratio=0.3, per_token=0.8)
+    for _ in range(4):
+        dl.observe_target(1, 0.070, plain=True)
+    dl.observe_prompt(700, 700 * 0.018)
+    # the priors say no: the probe would start, but not on a 700-token catch-up for 40 tokens
+    assert dl.choose([1], 1, {1: 40}, lag={1: 700}, decoded={1: 5}) == {1: 0}
+    assert dl._probe in ([], list((1, 2, 3, 4, 2, 3)))  # not consumed by the wait
+    assert dl.choose([2], 1, {2: 400}, lag={2: 30}, decoded={2: 1}) == {2: 1}  # the probe's first
