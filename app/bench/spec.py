@@ -8,7 +8,10 @@ prompt. Greedy by default, so every run produces the same tokens as the target a
 speedups compare equal work; with a temperature, sampled as a chat samples (llmlocal's default
 top-k, top-p and min-p, seeded), where runs differ in their tokens and the speedups compare
 decode speeds. Batch 1 (one request) and batch 8 (eight concurrent requests, aggregate tokens
-per second). The three engines take turns (``--rounds``).
+per second). The three engines take turns (``--rounds``). With a draft model, also a cold
+long prompt and a short reply (about 650 tokens of new text each time, 48 tokens, whole
+requests timed): there a draft's first proposal would compute the prompt's K/V first, which
+the reply may not repay, and drafting must cost nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 from llmlocal.engine.engine import Engine
 from llmlocal.engine.plan import Plan
 from llmlocal.engine.types import DoneEvent, Request, SamplingParams
+
+from .scenarios import _prompt
 
 STORY = "Write a long story about a lighthouse keeper and the sea."
 PASTED = (
@@ -35,6 +40,11 @@ PASTED = (
 )
 SUMMARISE = f"Summarise this text in a few sentences, keeping its key facts:\n\n{PASTED}"
 CODE = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
+LONG_WORDS, LONG_REPLY = 560, 48  # the cold long prompt (about 650 tokens) and its reply
+
+
+def _long(seed: int) -> str:
+    return f"Here is a list of words:\n{_prompt(LONG_WORDS, seed)}\n\nWrite a Python function that counts each word."
 
 
 def _generate(engine: Engine, prompt: str, params: SamplingParams) -> DoneEvent:
@@ -72,6 +82,7 @@ def _serve(engine: Engine, prompts: list[str], params: SamplingParams) -> dict[s
         tok_s = tokens / wall
     return {
         "tok_s": tok_s,
+        "wall_s": wall,
         "tokens": tokens,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "tokens_per_step": tokens / steps if steps else 1.0,
@@ -126,6 +137,9 @@ def bench_spec(
                     runs[f"ngram_batch{batch}"] = _serve(engine, many["ngram"], params)
                 if label == "draft" and separate:  # and a draft model on the summarising prompt
                     runs["summarise_batch1"] = _serve(engine, single["ngram"], params)
+                if label in ("base", "draft") and separate:  # a cold long prompt, new text each time
+                    short = SamplingParams(temperature=temperature, max_tokens=LONG_REPLY, seed=params.seed)
+                    runs["long_batch1"] = _serve(engine, [_long(2 * r + (label == "draft"))], short)
                 figures[label] = runs
             per_round.append(figures)
     finally:
@@ -146,6 +160,10 @@ def bench_spec(
             "spec_tok_s": spec["tok_s"],
             "drafted_per_step": spec["drafted"] / max(1.0, spec["tokens"] / spec["tokens_per_step"]),
         }
+        long = figures["draft"].get(f"long_{size}")
+        if long is not None:  # whole requests: the prompt's prefill and any catch-up of the draft
+            out["long_prompt_speedup"] = figures["base"][f"long_{size}"]["wall_s"] / long["wall_s"]
+            out["long_prompt_drafted"] = long["drafted"]
         summarise = figures["draft"].get(f"summarise_{size}")
         if summarise is not None:
             out["summarise_speedup"] = summarise["tok_s"] / base_ngram["tok_s"]

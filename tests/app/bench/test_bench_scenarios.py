@@ -45,6 +45,15 @@ def test_bench_spec_figures_are_whole_and_consistent() -> None:
         assert row["acceptance_rate"] > 0.3
 
 
+def test_bench_spec_with_a_draft_model_compares_its_weights_and_a_cold_long_prompt() -> None:
+    out = bench_spec(None, draft="smollm2-135m", max_tokens=TOKENS, batch=2, rounds=1, draft_weights=("auto", "file"))
+    assert json.loads(json.dumps(out)) == out
+    for key in ("speedup", "summarise_speedup", "speedup_file", "summarise_speedup_file", "long_prompt_speedup"):
+        assert positive(out[key]), (key, out[key])
+    assert share(out["acceptance_rate_file"]) and out["long_prompt_drafted"] >= 0
+    assert "speedup_file" not in out["batch2"]  # other draft weights run at batch 1 only
+
+
 def test_bench_sparse_figures_are_whole_and_consistent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the calibrated copy goes here, not to ~/.cache
     out = bench_sparse(None, 0.5, max_tokens=TOKENS, runs=1)
