@@ -33,10 +33,9 @@ def test_a_draft_that_is_always_wrong_is_dropped() -> None:
     assert dl.choose([7], 1, {7: 100}) == {7: 0}
 
 
-def test_a_new_sequence_measures_its_own_acceptance_after_poor_ones() -> None:
+def _measured() -> DraftLength:
     """Costs where drafting pays at a high acceptance (a Sapphire Rapids step of the 1.5B: 45 ms
-    plain, 65 ms checking 4 tokens; a 0.5B draft pass 17 ms). A request whose drafts were mostly
-    rejected stops drafting; the next request still tries, and keeps drafting if its own are kept."""
+    plain, 65 ms checking 4 tokens; a 0.5B draft pass 17 ms), measured: probed."""
     dl = DraftLength(draft_ratio=0.4, per_token=0.8)
     for _ in range(4):
         dl.observe_target(1, 0.045, plain=True)
@@ -45,7 +44,14 @@ def test_a_new_sequence_measures_its_own_acceptance_after_poor_ones() -> None:
             dl.observe_target(width, seconds)
     for _ in range(4):
         dl.observe_draft(1, 1, 0.017)
-    dl._probed = True  # (measured above)
+    dl._probed = True
+    return dl
+
+
+def test_a_new_sequence_measures_its_own_acceptance_after_poor_ones() -> None:
+    """Where drafting pays (`_measured`), a request whose drafts were mostly rejected stops
+    drafting; the next request still tries, and keeps drafting if its own are kept."""
+    dl = _measured()
     for _ in range(30):
         dl.observe(1, 3, 0)  # a poor request
     assert dl.choose([1], 1, {1: 100}) == {1: 0}
@@ -174,16 +180,8 @@ def test_not_drafting_is_never_priced_above_a_checking_step_of_as_many_tokens() 
 
 
 def _paying() -> DraftLength:
-    """Measured costs where drafting pays (the Sapphire Rapids figures above), a 0.4 draft."""
-    dl = DraftLength(draft_ratio=0.4, per_token=0.8)
-    for _ in range(4):
-        dl.observe_target(1, 0.045, plain=True)
-    for width, seconds in ((2, 0.053), (3, 0.059), (4, 0.065), (5, 0.077)):
-        for _ in range(2):
-            dl.observe_target(width, seconds)
-    for _ in range(4):
-        dl.observe_draft(1, 1, 0.017)
-    dl._probed = True
+    """`_measured`, and a sequence whose drafts are all kept."""
+    dl = _measured()
     for _ in range(6):
         dl.observe(1, 3, 3)
     return dl
