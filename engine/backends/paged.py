@@ -289,10 +289,12 @@ class PagedBackend(LocalBackend):
         if masks is not None:
             StepMasks.apply(logits, sampled_items, masks.result())
         new_tokens = self._sample(logits, sampled_items)
-        if self.draft_length is not None and (plain or checks):
-            self.draft_length.observe_target(out.num_batched_tokens, time.perf_counter() - t0, plain)
-        elif self.draft_length is not None:  # what prices a draft's catch-up before it has run one
-            self.draft_length.observe_prompt(out.num_batched_tokens, time.perf_counter() - t0)
+        if self.draft_length is not None:
+            seconds = time.perf_counter() - t0
+            if plain or checks:
+                self.draft_length.observe_target(out.num_batched_tokens, seconds, plain)
+            else:  # what prices a draft's catch-up before it has run one
+                self.draft_length.observe_prompt(out.num_batched_tokens, seconds)
         sampled: dict[int, int] = {}
         accepted: dict[int, int] = {}
         stopped: set[int] = set()

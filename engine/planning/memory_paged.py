@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmlocal.native.cpu.packed_cache import has_packed
+from llmlocal.native.cpu.qlayout import q4_0_nbytes
 
 from ..model.gguf_parts import activations
 from ..plan import paged_kv_dtype
@@ -74,7 +75,7 @@ def _paged_group(parts: list[TensorInfo], mode: str, act_bytes: int, int8_acts: 
     if mode in ("auto", "int4") and exact_int4 and not (native and int8_acts):
         return _int4_bytes(n, k)
     if native:  # the CPU kernels keep the file's bytes
-        return sum(min(t.n_bytes, t.n_elements // 32 * 18) if q4_0 else t.n_bytes for t in parts)
+        return sum(min(t.n_bytes, q4_0_nbytes(t.n_elements)) if q4_0 else t.n_bytes for t in parts)
     if mode == "int4" and k % 32 == 0:
         return _int4_bytes(n, k)
     if mode == "int8":

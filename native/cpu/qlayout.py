@@ -417,6 +417,11 @@ def wider_than_q4_0(qtype: int) -> bool:
     return f.block_bytes * FORMATS[Q4_0].block_values > FORMATS[Q4_0].block_bytes * f.block_values
 
 
+def q4_0_nbytes(values: int) -> int:
+    """Bytes of ``values`` weights (whole blocks of 32) as Q4_0."""
+    return values // FORMATS[Q4_0].block_values * FORMATS[Q4_0].block_bytes
+
+
 def requantize_q4_0(rows: QuantRows) -> QuantRows | None:
     """The rows as Q4_0 (4.5 bits a weight), dequantized and quantized again in one C pass: a
     draft model's projections, whose numbers only propose (the target checks every token), read
@@ -426,7 +431,7 @@ def requantize_q4_0(rows: QuantRows) -> QuantRows | None:
     if kernels is None:
         return None
     n, k = rows.shape
-    out = np.empty((n, k // 32 * FORMATS[Q4_0].block_bytes), dtype=np.uint8)
+    out = np.empty((n, q4_0_nbytes(k)), dtype=np.uint8)
     kernels.requant_q4_0(rows.qtype, rows.addresses(), n, k, out)
     return QuantRows(Q4_0, out, name=f"{rows.name}@Q4_0" if rows.name else "")
 
