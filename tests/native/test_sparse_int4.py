@@ -154,6 +154,27 @@ def test_gemv_matches_reference(isa: str, threads: int, n: int, k: int) -> None:
             check(lin, source, x, threshold_for(x, sparsity))
 
 
+@pytest.mark.parametrize("sparsity", [None, 0.5])
+def test_batched_rows_equal_each_row_alone_on_every_isa(sparsity: float | None) -> None:
+    """On every ISA path a row's y is the same floats whatever rows share its call (a decode row
+    beside a prompt's tail, drafted tokens under verification): each code's term is one FMA at
+    every batch size (a one-row table lookup on AVX-512 once rounded the product first)."""
+    rng = np.random.default_rng(11)
+    source = q4_k_like(rng, 200, 576)
+    lin = SparseInt4Linear.from_codes(*source)
+    x = activations(rng, 8, 576)
+    t = threshold_for(x, sparsity)
+    before = si4.isa()
+    try:
+        for path in si4.available_isas():
+            si4.set_isa(path)
+            alone = np.stack([lin(x[b], t) for b in range(8)])
+            for batch in (2, 3, 5, 8):
+                np.testing.assert_array_equal(lin(x[:batch], t), alone[:batch], err_msg=f"{path}, {batch} rows")
+    finally:
+        si4.set_isa(before)
+
+
 def test_sparsity_is_reported_and_full_sparsity_gives_zero(isa: str) -> None:
     rng = np.random.default_rng(3)
     source = q4_1_like(rng, 200, 576)

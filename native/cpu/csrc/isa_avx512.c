@@ -23,16 +23,6 @@ typedef __m512 vf;
         (q)[0] = _mm512_cvtepi32_ps(_mm512_and_si512(w_, _mm512_set1_epi32(15))); \
         (q)[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(w_, 4));                    \
     } while (0)
-/* vpermps reads only the low 4 bits of each index: the zero-extended byte indexes its low
- * nibble as is, and its high nibble after a shift. Fewer uops on the two 512-bit ports than
- * convert + FMA (the product is rounded before the add: one more rounding per term). */
-#define LOOKUP_TABLE(x) _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(x))
-#define LOOKUP_ACC(p, tbl, acc)                                                   \
-    do {                                                                          \
-        const __m512i w_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))); \
-        (acc)[0] = _mm512_add_ps((acc)[0], _mm512_permutexvar_ps(w_, (tbl)));      \
-        (acc)[1] = _mm512_add_ps((acc)[1], _mm512_permutexvar_ps(_mm512_srli_epi32(w_, 4), (tbl))); \
-    } while (0)
 /* Columns j .. j+15 of every row: the union of the rows' keep masks compresses the indices
  * and each row's values (zeroed where that row does not keep them) to position n. The lanes
  * stored past the kept ones are scratch, overwritten by the next step. */

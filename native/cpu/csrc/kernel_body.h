@@ -11,9 +11,11 @@
  *   PASS_MAX                batch rows per pass over a 32-row block (accumulators: PASS_MAX * CV)
  *   MAX_ACC                 max(B1_NC, PASS_MAX) * CV
  *   KERNEL_NAME             the exported symbol
- *   LOOKUP_TABLE(x), LOOKUP_ACC(p, tbl, acc)   optional, for one row of x: a vector of the 16
- *                           products q * x for q = 0..15, and acc[v] += tbl[code] for the
- *                           chunk at p (a table lookup in place of int->float convert + FMA)
+ *
+ * Every code's term is one FMA on every ISA and at every batch size, so a row's sums are the
+ * same floats whatever rows share its call (decode rows equal each row alone: a one-row table
+ * lookup of the rounded products q x on AVX-512, 11-13% faster in the kernel alone and nothing
+ * end to end, broke that and was dropped).
  *
  * Invariant of the loops: for every group g with kept columns, for every row block, the
  * accumulators hold acc_b[n] = sum_{kept j in g} q_nj * xv_bj, then
@@ -84,14 +86,6 @@ ALWAYS_INLINE void block(const si4_matrix *m, const si4_acts *a, int g, int row,
         const uint8_t *p = base + (size_t)a->cols[i] * stride;
         if (i - i0 < pf.count) __builtin_prefetch(m->codes + (size_t)a->cols[pf.first + i - i0] * stride + pf.off, 0, 3);
         const float *x = a->xv + (size_t)b0 * a->xv_stride + i; /* row b: x[b * xv_stride] */
-#ifdef LOOKUP_ACC
-        if (BB == 1) { /* the 16 products q * x_j in a table, looked up by each row's code */
-            const vf tbl = LOOKUP_TABLE(x[0]);
-#pragma GCC unroll 4
-            for (int c = 0; c < NC; c++) LOOKUP_ACC(p + 16 * c, tbl, (acc + c * CV));
-            continue;
-        }
-#endif
         vf q[MAX_ACC];
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) UNPACK(p + 16 * c, (q + c * CV));
