@@ -34,7 +34,10 @@ AMX_SOURCE = (f"{CSRC}/qmat_amx.c", ["-mamx-tile", "-mamx-int8", "-mavx512dq", *
 TILES_SOURCE = (f"{CSRC}/qmat_tiles.c", ["-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-mavx512f", "-mavx512bw", "-mavx512dq"])
 # ... and a prompt chunk's attention on them (attn_tiles.c), built with the same flags.
 ATTN_TILES_SOURCE = f"{CSRC}/attn_tiles.c"
+# ... and without AMX on AVX512-BF16 (attn_bf16.c: Zen 4 and 5), where the compiler knows it.
+ATTN_BF16_SOURCE = (f"{CSRC}/attn_bf16.c", ["-mavx512bf16", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"])
 PROBES = {
+    ATTN_BF16_SOURCE[0]: "__m512 probe(__m512 a, __m512bh b) { return _mm512_dpbf16_ps(a, b, b); }",
     AMX_SOURCE[0]: "void probe(void) { _tile_zero(0); _tile_dpbsud(0, 1, 2); }",
     TILES_SOURCE[0]: "void probe(void) { _tile_zero(0); _tile_dpbf16ps(0, 1, 2); }\n"
                      "__m512bh probe2(__m512 a) { return _mm512_cvtne2ps_pbh(a, a); }",
@@ -79,6 +82,9 @@ class BuildExt(build_ext):
                     macros.append((macro, "1"))
                     if macro == "LLMLOCAL_AMX_BF16":
                         isa_sources[ATTN_TILES_SOURCE] = flags
+            if _compiles(self.compiler, ATTN_BF16_SOURCE[1], PROBES[ATTN_BF16_SOURCE[0]], self.build_temp):
+                isa_sources[ATTN_BF16_SOURCE[0]] = ATTN_BF16_SOURCE[1]
+                macros.append(("LLMLOCAL_AVX512_BF16", "1"))
             macros.append(("LLMLOCAL_X86_VARIANTS", "1"))
         # the variants first: they hold the heavy kernel bodies
         units = list(isa_sources.items()) + [(source, []) for source in sources]
@@ -104,7 +110,7 @@ def cpu_kernels_extension() -> Extension:
         "llmlocal.native.cpu._kernels",
         sources=[f"{CSRC}/{name}" for name in ("module.c", "decode_stack.c", "int8_gemv.c", "pool.c", "dispatch.c", "isa_scalar.c", "qmat_scalar.c")],
         include_dirs=[CSRC],
-        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0], TILES_SOURCE[0], ATTN_TILES_SOURCE],
+        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0], TILES_SOURCE[0], ATTN_TILES_SOURCE, ATTN_BF16_SOURCE[0]],
         extra_compile_args=["-std=c11", "-O3", "-pthread", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],
         libraries=["m"],

@@ -45,8 +45,9 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) int64: where each new token's K/V goes
     num_decode: int = 0
-    # a prompt's chunks take the bfloat16 tiles (`prompt_rows`; csrc/attn_tiles.c): the CPU has
-    # them and the model's projections take them too (`ModelRunner.prompt_tiles`)
+    # a prompt's chunks take the bfloat16 attention (`prompt_rows`; csrc/attn_tiles.c): the CPU has
+    # AMX-BF16 tiles and the model's projections take them too (`ModelRunner.prompt_tiles`), or
+    # it has AVX512-BF16 and no tiles (`runtime.attn_bf16`)
     prompt_tiles: bool = False
     block_tables: torch.Tensor | None = None  # (num_decode, max_blocks) int32
     context_lens: torch.Tensor | None = None  # (num_decode,) int32, including the new token
@@ -113,7 +114,7 @@ def paged_attention(
         for chunk in meta.prefills:
             rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
             if prompt_from is not None and chunk.offset >= prompt_from and q.shape[-1] in _TILE_HEAD_DIMS:
-                # a prompt's rows on AMX-BF16 tiles, K and V as the cache holds them in every
+                # a prompt's rows in bfloat16 (`_tiles_attention`), K and V as the cache holds them in every
                 # chunk (the first too): the same numbers however the prompt was chunked
                 ck = from_cache(flat_k[chunk.slots], q.dtype)
                 cv = from_cache(flat_v[chunk.slots], q.dtype)

@@ -121,9 +121,15 @@ def qmat_tiles() -> bool:
 
 
 def attn_tiles() -> bool:
-    """Whether a prompt chunk's attention runs on the AMX-BF16 tiles (csrc/attn_tiles.c) where
-    its rows take them (`qmat_tiles`), rather than torch's float32 attention."""
-    return _attn_tiles and qmat_tiles()
+    """Whether a prompt chunk's attention runs in bfloat16 (`kernels().attn_tiles`) rather than
+    torch's float32 attention: on the AMX-BF16 tiles where its rows take them (`qmat_tiles`;
+    csrc/attn_tiles.c), or on AVX512-BF16 where the CPU has no tiles (attn_bf16.c)."""
+    return _attn_tiles and kernels().attn_kernel() != ""
+
+
+def attn_bf16() -> bool:
+    """Whether that is AVX512-BF16 (a CPU without AMX: its projections keep the int8 kernels)."""
+    return _attn_tiles and kernels().attn_kernel() == "bf16"
 
 
 def set_attn_tiles(on: bool) -> None:

@@ -1,6 +1,7 @@
-"""A prompt chunk's causal attention through AMX-BF16 tiles (csrc/attn_tiles.c) against the
-exact softmax attention in float64. Skipped on CPUs without AMX-BF16; failed where the CPU has
-it and the build or dispatch does not run it.
+"""A prompt chunk's causal attention in bfloat16 against the exact softmax attention in float64:
+through AMX-BF16 tiles (csrc/attn_tiles.c) where the CPU has them, else on AVX512-BF16 (the same
+algorithm, its tile multiplies by vdpbf16ps: csrc/attn_bf16.c). Skipped on CPUs with neither;
+failed where the CPU has one and the build or dispatch does not run it.
 
 The bound, per query row i: the tiles round q (scaled) and every k_j to bfloat16 (a relative
 error of at most u = 2^-8 each), so a logit s_j errs by at most
@@ -35,14 +36,18 @@ CASES = [(37, 0, 12, 2, 128, 0), (16, 100, 4, 4, 64, 0), (70, 50, 4, 1, 256, 40)
 
 @pytest.fixture(autouse=True)
 def tiles() -> None:
-    lacking = missing(("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"))
-    if lacking:
-        pytest.skip(f"this CPU lacks {', '.join(lacking)} (the bfloat16 tiles)")
+    amx = not missing(("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"))
+    lacking = missing(("avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    if not amx and lacking:
+        pytest.skip(f"this CPU lacks AMX-BF16 and {', '.join(lacking)} (bfloat16 attention)")
     before = runtime.isa()
     runtime.set_isa("avx512")
     runtime.set_qmat_tiles(True)
     try:
-        assert runtime.qmat_tiles(), "the CPU has AMX-BF16, the kernels do not run the tiles"
+        if amx:
+            assert runtime.qmat_tiles(), "the CPU has AMX-BF16, the kernels do not run the tiles"
+        want = "tiles" if amx else "bf16"
+        assert runtime.kernels().attn_kernel() == want, f"the CPU has {want}, attn_tiles does not run it"
         yield
     finally:
         runtime.set_isa(before)

@@ -18,7 +18,8 @@
  * (row r: keys 2r, 2r + 1 of each dim); a tile's P rows are A tiles of 32 keys as they lie.
  *
  * Compiled with -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw -mavx512dq (setup.py,
- * LLMLOCAL_AMX_BF16). */
+ * LLMLOCAL_AMX_BF16) as qm_attn_tiles, and without AMX as qm_attn_bf16 (attn_bf16.c: CPUs with
+ * AVX512-BF16 and no tiles, Zen 4 and 5), the tile registers then emulated below. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -27,6 +28,11 @@
 
 #include "qmat.h"
 
+#ifndef ATTN_ENTRY
+#define ATTN_ENTRY qm_attn_tiles
+#endif
+
+#ifdef __AMX_TILE__
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -40,6 +46,45 @@ static void configure(void) { /* every tile 16 rows of 64 bytes */
     for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
     _tile_loadconfig(&c);
 }
+#else
+/* Without AMX: the eight tile registers in memory (16 rows of 64 bytes each, per thread), and
+ * the tile multiply C += A B by vdpbf16ps: row i of C (16 floats) takes, for r = 0 .. 15, the
+ * bfloat16 pair r of A's row i broadcast, times row r of B (16 pairs: column n's two values), so
+ * C[i][n] += A[i][2r] B[r][2n] + A[i][2r + 1] B[r][2n + 1] with float32 sums, as tdpbf16ps.
+ * The loads and stores are copies; the multiply holds B in registers across A's 16 rows. */
+static _Thread_local uint8_t tmm[8][1024] __attribute__((aligned(64)));
+
+static void configure(void) {}
+static void tile_release(void) {}
+static void tile_zero(int t) { memset(tmm[t], 0, sizeof tmm[t]); }
+static void tile_load(int t, const void *p, size_t stride) {
+    for (int r = 0; r < 16; r++) _mm512_store_si512(tmm[t] + 64 * r, _mm512_loadu_si512((const uint8_t *)p + (size_t)r * stride));
+}
+static void tile_store(int t, void *p, size_t stride) {
+    for (int r = 0; r < 16; r++) _mm512_storeu_si512((uint8_t *)p + (size_t)r * stride, _mm512_load_si512(tmm[t] + 64 * r));
+}
+static inline void tile_dpbf16ps(int c, int a, int b) {
+    __m512bh B[16];
+    for (int r = 0; r < 16; r++) B[r] = (__m512bh)_mm512_load_si512(tmm[b] + 64 * r);
+    for (int i = 0; i < 16; i++) {
+        float *ci = (float *)(tmm[c] + 64 * i);
+        const uint32_t *ai = (const uint32_t *)(tmm[a] + 64 * i);
+        __m512 acc = _mm512_load_ps(ci);
+        for (int r = 0; r < 16; r++) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)ai[r]), B[r]);
+        _mm512_store_ps(ci, acc);
+    }
+}
+#undef _tile_release
+#undef _tile_zero
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_dpbf16ps /* (immintrin.h's, for AMX targets) */
+#define _tile_release() tile_release()
+#define _tile_zero(t) tile_zero(t)
+#define _tile_loadd(t, p, stride) tile_load(t, p, (size_t)(stride))
+#define _tile_stored(t, p, stride) tile_store(t, p, (size_t)(stride))
+#define _tile_dpbf16ps(c, a, b) tile_dpbf16ps(c, a, b)
+#endif
 
 /* e^x for x <= 0 (x >= -87.3 clamped: smaller is 0 to float's precision), to about 1 ulp:
  * 2^n e^r, |r| <= ln 2 / 2, e^r by a degree-6 polynomial. */
@@ -255,7 +300,7 @@ static void run_attn(void *arg, int part, int n_parts) {
     _tile_release();
 }
 
-long qm_attn_tiles(const float *q, size_t qt, size_t qh, int T, int H, const float *k, const float *v, size_t kl,
+long ATTN_ENTRY(const float *q, size_t qt, size_t qh, int T, int H, const float *k, const float *v, size_t kl,
                    size_t kh, int L, int Hkv, int D, int start, int window, float scale, float *out, size_t ot,
                    size_t oh) {
     if (T < 1 || H < 1 || Hkv < 1 || H % Hkv || D % 32 || D > 256 || L != start + T) return -2;
