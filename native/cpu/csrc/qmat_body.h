@@ -824,6 +824,14 @@ AI void superblock_update16(acc16 *s, __m512 d, __m512 dmin, const int KIND) {
     s->fs = s->fm = _mm512_setzero_ps();
 }
 
+/* Rows s[0 .. n) of running sums set to zero (a pass's start). */
+AI void zero_sums16(acc16 *s, unsigned n) {
+    for (unsigned b = 0; b < n; b++) {
+        s[b].y = s[b].fs = s[b].fm = _mm512_setzero_ps();
+        s[b].blk = _mm512_setzero_si512();
+    }
+}
+
 /* superblock_update16 of super-block sb (its d and dmin from the chunk's factors) on rows s[0 .. n). */
 AI void superblocks_update16(acc16 *s, unsigned n, const chunk_fac *cf, unsigned sb, const int KIND) {
     if (!n) return;
@@ -864,10 +872,7 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
     const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS), qs = a->qx_stride;
     const chunk_fac cf = chunk_factors(m, n);
     acc16 s[NB_MAX];
-    for (int b = 0; b < BB; b++) {
-        s[b].y = s[b].fs = s[b].fm = _mm512_setzero_ps();
-        s[b].blk = _mm512_setzero_si512();
-    }
+    zero_sums16(s, (unsigned)BB);
     for (unsigned sb = 0; sb < G / PER_SB; sb++) {
         for (unsigned j = 0; j < PER_SB; j++) {
             const unsigned g = sb * PER_SB + j, qb = g * GROUP / QM_QBLOCK;
@@ -907,10 +912,7 @@ AI void half_big16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, i
     const unsigned G = (unsigned)m->k / GROUP, B = (unsigned)a->batch;
     const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS), qs = a->qx_stride;
     const chunk_fac cf = chunk_factors(m, n);
-    for (unsigned b = 0; b < B; b++) {
-        s[b].y = s[b].fs = s[b].fm = _mm512_setzero_ps();
-        s[b].blk = _mm512_setzero_si512();
-    }
+    zero_sums16(s, B);
     for (unsigned sb = 0; sb < G / PER_SB; sb++) {
         for (unsigned j = 0; j < PER_SB; j++) {
             const unsigned g = sb * PER_SB + j, qb = g * GROUP / QM_QBLOCK;
@@ -1241,10 +1243,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
     uint8_t bts[2][8 * 64] __attribute__((aligned(64))); /* B of this group and the next */
     int32_t ct[16 * 16] __attribute__((aligned(64)));   /* a C tile's sums */
     if (big && st) R = (B < 16 * AMX_BLOCKS ? B : 16 * AMX_BLOCKS) / 16 * 16;
-    for (unsigned r = 0; r < R; r++) {
-        st[r].y = st[r].fs = st[r].fm = _mm512_setzero_ps();
-        st[r].blk = _mm512_setzero_si512();
-    }
+    zero_sums16(st, R);
 #else
     (void)tiled;
 #endif
