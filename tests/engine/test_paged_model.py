@@ -189,7 +189,7 @@ def starter_references() -> dict:
     from llmlocal.engine import Engine, Plan
 
     path = resolve().path
-    with Engine.load(Plan(model=path, n_ctx=1024)) as cpp:
+    with Engine.load(Plan(model=path, n_ctx=1024, backend="llamacpp")) as cpp:
         ids = cpp.tokenize(EVAL_TEXT)
         llama_cpp = cpp.log_probs(ids)
     w, cfg = gguf_llama_weights(path)
