@@ -899,45 +899,63 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
     for (int b = 0; b < BB; b++) _mm512_storeu_ps(ybuf + (size_t)(b0 + b) * m->npad + n, s[b].y);
 }
 
-/* Prefill and any call of more than NB_MAX rows of x on 512-bit registers: half h (rows
- * n .. n + 15) of the chunk over all of K for every row of x, groups outer. A group's codes of
- * the half are unpacked once into registers (a vector a quad), then each row of x in turn makes
- * its int32 sums from them and its float update; the rows' running sums wait in s (L1). Where
- * the 256-bit big pass unpacked a group into a buffer and took the rows four at a time, each
- * vpdpbusd here makes sixteen rows of W's sums, and nothing is unpacked twice. The same integer
- * sums and float operations per element as half_pass16, so the same floats. */
-AI void half_big16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, acc16 *s,
-                   float *ybuf, const int BITS, const int KIND, int pf) {
+/* Prefill and any call of more than NB_MAX rows of x on 512-bit registers: the chunk at
+ * `chunk` (rows row .. row + 31 of W, both halves) over all of K for every row of x, groups
+ * outer. A group's codes are unpacked once into registers (a vector a quad and half: sixteen
+ * for 4-bit codes), then each row of x in turn makes its int32 sums for both halves from one
+ * set of broadcasts, and its float updates; the rows' running sums wait in s (s[b] half 0,
+ * s[B + b] half 1: 32 KB at most, in L1). Both halves a turn halve the broadcasts and the
+ * loop's bookkeeping a vpdpbusd, which held one half a turn to about 60% of the vpdpbusd rate.
+ * (On Zen 5 the float multiplies and FMAs share vpdpbusd's two pipes: a 4-bit group's 16
+ * vpdpbusd and 6 float products bound it at 16/22.) The same integer sums and float
+ * operations per element as half_pass16, so the same floats. */
+AI void chunk_big16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int row, acc16 *s, float *ybuf,
+                    const int BITS, const int KIND, int pf) {
     const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP, NQ = GROUP / 4;
     const unsigned G = (unsigned)m->k / GROUP, B = (unsigned)a->batch;
     const size_t tile_bytes = (size_t)GROUP / 4 * (16 * BITS), qs = a->qx_stride;
-    const chunk_fac cf = chunk_factors(m, n);
-    zero_sums16(s, B);
+    const chunk_fac cf[2] = {chunk_factors(m, row), chunk_factors(m, row + 16)};
+    acc16 *const s1 = s + B;
+    zero_sums16(s, 2 * B);
     for (unsigned sb = 0; sb < G / PER_SB; sb++) {
         for (unsigned j = 0; j < PER_SB; j++) {
             const unsigned g = sb * PER_SB + j, qb = g * GROUP / QM_QBLOCK;
             const uint8_t *p = group_tile(chunk, g, tile_bytes, pf);
-            __m512i W[8];
+            __m512i W0[8], W1[8];
 #pragma GCC unroll 8
-            for (unsigned i = 0; i < NQ; i++) W[i] = load_half16(p + (size_t)i * (16 * BITS), h, BITS);
-            const fac16 F = group_factors16(m, &cf, g, KIND);
+            for (unsigned i = 0; i < NQ; i++) {
+                W0[i] = load_half16(p + (size_t)i * (16 * BITS), 0, BITS);
+                W1[i] = load_half16(p + (size_t)i * (16 * BITS), 1, BITS);
+            }
+            const fac16 F0 = group_factors16(m, &cf[0], g, KIND), F1 = group_factors16(m, &cf[1], g, KIND);
             const int8_t *qx = a->qx + (size_t)g * GROUP;
             for (unsigned b = 0; b < B; b++) {
                 const int8_t *xb = qx + (size_t)b * qs;
-                __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains of 4 quads */
+                /* two chains of 4 quads a half */
+                __m512i a0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, a1[2] = {a0[0], a0[0]};
 #pragma GCC unroll 8
                 for (unsigned i = 0; i < NQ; i++) {
                     int32_t q4;
                     memcpy(&q4, xb + 4 * i, 4);
-                    acc[NQ == 8 ? i % 2 : 0] = mac_quad16(acc[NQ == 8 ? i % 2 : 0], W[i], _mm512_set1_epi32(q4), BITS);
+                    const __m512i xq = _mm512_set1_epi32(q4);
+                    const unsigned c = NQ == 8 ? i % 2 : 0;
+                    a0[c] = mac_quad16(a0[c], W0[i], xq, BITS);
+                    a1[c] = mac_quad16(a1[c], W1[i], xq, BITS);
                 }
-                group_update16(&s[b], &F, _mm512_add_epi32(acc[0], acc[1]), a->dx[(size_t)b * a->dx_stride + qb],
-                               a->xs[(size_t)g * B + b], KIND, j % 2 == 0);
+                const float dx = a->dx[(size_t)b * a->dx_stride + qb], xs = a->xs[(size_t)g * B + b];
+                group_update16(&s[b], &F0, _mm512_add_epi32(a0[0], a0[1]), dx, xs, KIND, j % 2 == 0);
+                group_update16(&s1[b], &F1, _mm512_add_epi32(a1[0], a1[1]), dx, xs, KIND, j % 2 == 0);
             }
         }
-        if (KIND != KIND_PLAIN) superblocks_update16(s, B, &cf, sb, KIND);
+        if (KIND != KIND_PLAIN) {
+            superblocks_update16(s, B, &cf[0], sb, KIND);
+            superblocks_update16(s1, B, &cf[1], sb, KIND);
+        }
     }
-    for (unsigned b = 0; b < B; b++) _mm512_storeu_ps(ybuf + (size_t)b * m->npad + n, s[b].y);
+    for (unsigned b = 0; b < B; b++) {
+        _mm512_storeu_ps(ybuf + (size_t)b * m->npad + row, s[b].y);
+        _mm512_storeu_ps(ybuf + (size_t)b * m->npad + row + 16, s1[b].y);
+    }
 }
 
 /* The column layout's decode step on 512-bit registers (sparse files). The factors are applied
@@ -1418,8 +1436,8 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
      * holds its rows' sums in registers over all of K, and 5-8 rows took two such passes,
      * each unpacking every code again) */
     const int big_from = QM_ZMM ? SI4_MAX_BATCH : NB_MAX;
-    acc8 (*big)[2] = NULL;
-    if (B > big_from && !(big = aligned_alloc(64, sizeof(acc8) * 2 * (size_t)B))) return;
+    acc8 (*big)[2] = NULL; /* the rows' sums: of a half-chunk (acc16 each), of a chunk for chunk_big16 */
+    if (B > big_from && !(big = aligned_alloc(64, sizeof(acc8) * 2 * (size_t)B * (QM_ZMM ? 2 : 1)))) return;
     void *tiled = NULL; /* prefill's rows by AMX: their sums (acc16) */
 #ifdef QM_AMX
     if (big && B >= 16 && (tiled = aligned_alloc(64, sizeof(acc16) * (size_t)B))) amx_configure(BITS == 6 ? 16 : 32);
@@ -1428,10 +1446,10 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
     const int ONE_PASS = IL == 1 && B == 1; /* chunk_pass1 */
 #endif
 #if QM_ZMM
-    const int BIG16 = IL == 1 && !tiled; /* half_big16 */
+    const int BIG16 = IL == 1 && big && !tiled; /* chunk_big16 */
 #else
     const int BIG16 = 0;
-#define half_big16(...) ((void)0) /* 512-bit registers only */
+#define chunk_big16(...) ((void)0) /* 512-bit registers only */
 #endif
     for (int row = row0; row < row1; row += 32) {
         const uint8_t *chunk = qm_tile(m, row / 32, 0);
@@ -1441,12 +1459,15 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
             continue;
         }
 #endif
+        if (BIG16) {
+            chunk_big16(m, a, chunk, row, (acc16 *)big, ybuf, BITS, KIND, pf0);
+            continue;
+        }
 #define HALF(H)                                                                                                 \
     do {                                                                                                        \
         const int n = row + 16 * (H), pf = (H) == 0 ? pf0 : 0; /* each line once, ahead of the stream */        \
         if (big) {                                                                                              \
-            if (BIG16) half_big16(m, a, chunk, n, H, (acc16 *)big, ybuf, BITS, KIND, pf);                      \
-            else half_pass(m, a, chunk, n, H, 0, 0, big, tiled, ybuf, BITS, KIND, IL, pf);                      \
+            half_pass(m, a, chunk, n, H, 0, 0, big, tiled, ybuf, BITS, KIND, IL, pf);                           \
             break;                                                                                              \
         }                                                                                                       \
         for (int b0 = 0; IL && b0 < B; b0 += NB_MAX) /* a decode step: passes of rows in registers */          \
