@@ -863,8 +863,9 @@ AI __m512i mac_quad16(__m512i acc, __m512i W, __m512i xq, const int BITS) {
     return _mm512_dpbusd_epi32(acc, W, xq);
 }
 
-/* half_pass for a decode step on 512-bit registers: half h (rows n .. n + 15) of the chunk at
- * `chunk` over all of K, for rows [b0, b0 + BB) of x (BB <= NB_MAX), y written to ybuf. */
+/* half_pass for a decode step on 512-bit registers (Q8_0 up to 8 rows; the other types take
+ * chunk_big16): half h (rows n .. n + 15) of the chunk at `chunk` over all of K, for rows
+ * [b0, b0 + BB) of x (BB <= NB_MAX), y written to ybuf. */
 AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0,
                     const int BB, float *ybuf, const int BITS, const int KIND, int pf) {
     const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP, NQ = GROUP / 4;
@@ -899,16 +900,6 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
     for (int b = 0; b < BB; b++) _mm512_storeu_ps(ybuf + (size_t)(b0 + b) * m->npad + n, s[b].y);
 }
 
-/* Prefill and any call of more than NB_MAX rows of x on 512-bit registers: the chunk at
- * `chunk` (rows row .. row + 31 of W, both halves) over all of K for every row of x, groups
- * outer. A group's codes are unpacked once into registers (a vector a quad and half: sixteen
- * for 4-bit codes), then each row of x in turn makes its int32 sums for both halves from one
- * set of broadcasts, and its float updates; the rows' running sums wait in s (s[b] half 0,
- * s[B + b] half 1: 32 KB at most, in L1). Both halves a turn halve the broadcasts and the
- * loop's bookkeeping a vpdpbusd, which held one half a turn to about 60% of the vpdpbusd rate.
- * (On Zen 5 the float multiplies and FMAs share vpdpbusd's two pipes: a 4-bit group's 16
- * vpdpbusd and 6 float products bound it at 16/22.) The same integer sums and float
- * operations per element as half_pass16, so the same floats. */
 /* chunk_big16 prefetches its codes BIG_AHEAD times as far ahead as the decode passes (3 KB of
  * 4-bit codes): a group's tile serves every row of x before the next is read, so the stream
  * moves slower than a decode pass's and lines must be asked for earlier to arrive in time. On
@@ -916,6 +907,16 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
  * against the decode passes' distance (2x: 0.82-0.97x of 4x; 8x: 0.93-1.07x), no change at 64. */
 enum { BIG_AHEAD = 4 };
 
+/* The interleaved layout's pass on 512-bit registers, for every row count (Q8_0: from 9 rows;
+ * see kernel_il): the chunk at `chunk` (rows row .. row + 31 of W, both halves) over all of K
+ * for every row of x, groups outer. A group's codes are unpacked once into registers (a vector
+ * a quad and half: sixteen for 4-bit codes), then each row of x in turn makes its int32 sums
+ * for both halves from one set of broadcasts, and its float updates; the rows' running sums
+ * wait in s (s[b] half 0, s[B + b] half 1: 32 KB at most, in L1). Both halves a turn halve the
+ * broadcasts and the loop's bookkeeping a vpdpbusd, which held one half a turn to about 60% of
+ * the vpdpbusd rate. (On Zen 5 the float multiplies and FMAs share vpdpbusd's two pipes: a
+ * 4-bit group's 16 vpdpbusd and 6 float products bound it at 16/22.) The same integer sums and
+ * float operations per element as half_pass16, so the same floats. */
 AI void chunk_big16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int row, acc16 *s, float *ybuf,
                     const int BITS, const int KIND, int pf) {
     const unsigned GROUP = BITS == 6 ? 16 : 32, PER_SB = KIND == KIND_PLAIN ? 1 : 256 / GROUP, NQ = GROUP / 4;
