@@ -1444,8 +1444,10 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
      * holds its rows' sums in registers over all of K, and 5-8 rows took two such passes,
      * each unpacking every code again). On 512-bit registers the interleaved layout takes
      * chunk_big16 at every row count (on Zen 5 1.06-1.26x the decode pass at one row,
-     * 1.05-1.49x at 2-8), except Q8_0 up to 8 rows, whose signed codes cost it a masked
-     * subtract a vpdpbusd there (0.92-0.96x at 4-8 rows) */
+     * 1.05-1.49x at 2-8), except Q8_0 up to 8 rows: its signed codes cost a masked subtract a
+     * vpdpbusd, and Gemma 3 270M's Q8_0 output head (262,144 x 640) decoded 0.89x through
+     * chunk_big16 (113-116 against 124-129 tok/s), though on the 1.5B's shapes it was
+     * 1.05-1.54x once prefetched further ahead */
     const int big_from = !QM_ZMM ? NB_MAX : IL == 1 && BITS != 8 ? 0 : SI4_MAX_BATCH;
     acc8 (*big)[2] = NULL; /* the rows' sums: of a half-chunk (acc16 each), of a chunk for chunk_big16 */
     if (B > big_from && !(big = aligned_alloc(64, sizeof(acc8) * 2 * (size_t)B * (QM_ZMM ? 2 : 1)))) return;
