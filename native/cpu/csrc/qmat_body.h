@@ -1449,8 +1449,12 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
      * chunk_big16 (113-116 against 124-129 tok/s), though on the 1.5B's shapes it was
      * 1.05-1.54x once prefetched further ahead */
     const int big_from = !QM_ZMM ? NB_MAX : IL == 1 && BITS != 8 ? 0 : SI4_MAX_BATCH;
-    acc8 (*big)[2] = NULL; /* the rows' sums: of a half-chunk (acc16 each), of a chunk for chunk_big16 */
-    if (B > big_from && !(big = aligned_alloc(64, sizeof(acc8) * 2 * (size_t)B * (QM_ZMM ? 2 : 1)))) return;
+    /* the rows' sums: of a half-chunk (acc16 each), of a chunk for chunk_big16; a decode step's
+     * on the stack, since every one-row call on 512-bit registers takes this path */
+    _Alignas(64) acc8 local[2 * SI4_MAX_BATCH][2];
+    const size_t n_big = (size_t)B * (QM_ZMM ? 2 : 1);
+    acc8 (*big)[2] = NULL;
+    if (B > big_from && !(big = n_big <= 2 * SI4_MAX_BATCH ? local : aligned_alloc(64, sizeof(acc8) * 2 * n_big))) return;
     void *tiled = NULL; /* prefill's rows by AMX: their sums (acc16) */
 #ifdef QM_AMX
     if (big && B >= 16 && (tiled = aligned_alloc(64, sizeof(acc16) * (size_t)B))) amx_configure(BITS == 6 ? 16 : 32);
@@ -1499,7 +1503,7 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
     if (tiled) _tile_release();
 #endif
     free(tiled);
-    free(big);
+    if (big != local) free(big);
 }
 
 /* kernel_il with the matrix's factor kind as a compile-time constant. */
