@@ -746,7 +746,7 @@ AI void superblock_scales(const chunk_fac *cf, unsigned sb, int t, const int KIN
  * 512-bit vector each), and a group's factors for them (fac8's two halves). */
 typedef struct {
     __m512 y, fs, fm;
-    __m512i blk;
+    __m512 blk; /* Q6_K: a block of 32's first group's weighted sums (exact integers, as floats) */
 } acc16;
 
 typedef struct {
@@ -813,9 +813,12 @@ AI void group_update16(acc16 *s, const fac16 *f, __m512i acc, float dx, float xs
         s->fs = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), f->wf), _mm512_set1_ps(dx), s->fs);
         return;
     }
-    acc = _mm512_mullo_epi32(acc, f->wt);
-    if (first) s->blk = acc;
-    else s->fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s->blk, acc)), _mm512_set1_ps(dx), s->fs);
+    /* Q6_K: the block of 32's weighted sum as float products, not vpmulld's (two uops each, on
+     * the pipes vpdpbusd needs): a group's |sum| x |scale| <= 16 x 63 x 127 x 128 < 2^24 is
+     * exact, and the second group's FMA rounds the block's exact sum once, as the cvt of the
+     * int32 sum the other variants make, so the same floats. */
+    if (first) s->blk = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), f->mnf);
+    else s->fs = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), f->mnf, s->blk), _mm512_set1_ps(dx), s->fs);
 }
 
 AI void superblock_update16(acc16 *s, __m512 d, __m512 dmin, const int KIND) {
@@ -828,7 +831,7 @@ AI void superblock_update16(acc16 *s, __m512 d, __m512 dmin, const int KIND) {
 AI void zero_sums16(acc16 *s, unsigned n) {
     for (unsigned b = 0; b < n; b++) {
         s[b].y = s[b].fs = s[b].fm = _mm512_setzero_ps();
-        s[b].blk = _mm512_setzero_si512();
+        s[b].blk = _mm512_setzero_ps();
     }
 }
 
@@ -972,10 +975,9 @@ AI void chunk_big16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
  * (zeroed inputs add exact zeros there) when one call covers all of K. Groups are the outer
  * loop, as in `kernel`: a group's kept columns are a dozen runs read side by side, which the
  * prefetchers follow, and each row's running super-block sums (fs, fm and Q6_K's first-group
- * int32 sums) wait in `col_sums` between groups. */
+ * weighted sums) wait in `col_sums` between groups. */
 typedef struct {
-    float *fs, *fm;
-    int32_t *blk;
+    float *fs, *fm, *blk;
     size_t rows; /* per row of x */
 } col_sums;
 
@@ -1051,7 +1053,7 @@ AI void col_group16(const qm_matrix *m, const qm_acts *a, unsigned g, unsigned j
             } else {
                 s.fs = j == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(cs->fs + o);
                 s.fm = j == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(cs->fm + o);
-                s.blk = KIND == KIND_Q6 && j % 2 ? _mm512_loadu_si512(cs->blk + o) : _mm512_setzero_si512();
+                s.blk = KIND == KIND_Q6 && j % 2 ? _mm512_loadu_ps(cs->blk + o) : _mm512_setzero_ps();
             }
             group_update16(&s, &F, acc[b][t], a->dx[(size_t)(b0 + b) * a->dx_stride + qb], a->xs[(size_t)g * B + b0 + b],
                            KIND, j % 2 == 0);
@@ -1061,7 +1063,7 @@ AI void col_group16(const qm_matrix *m, const qm_acts *a, unsigned g, unsigned j
             }
             _mm512_storeu_ps(cs->fs + o, s.fs);
             _mm512_storeu_ps(cs->fm + o, s.fm);
-            if (KIND == KIND_Q6 && j % 2 == 0) _mm512_storeu_si512(cs->blk + o, s.blk);
+            if (KIND == KIND_Q6 && j % 2 == 0) _mm512_storeu_ps(cs->blk + o, s.blk);
         }
     }
 }
@@ -1097,7 +1099,7 @@ AI void kernel_col16(const qm_matrix *m, const qm_acts *a, int row0, int row1, i
         if (!(buf = aligned_alloc(64, need * sizeof(float)))) return;
         buf_n = need;
     }
-    const col_sums cs = {buf, buf + R * (size_t)B, (int32_t *)(buf + 2 * R * (size_t)B), R};
+    const col_sums cs = {buf, buf + R * (size_t)B, buf + 2 * R * (size_t)B, R};
     const int pf0 = si4_prefetch_ahead * BITS / 4;
     const size_t start = (size_t)(row0 / 32) * (size_t)cb, end = (size_t)(row1 / 32) * (size_t)cb;
     for (int b = 0; b < B; b++) memset(ybuf + (size_t)b * m->npad + row0, 0, sizeof(float) * R);
