@@ -40,7 +40,7 @@ def test_the_curve_is_consistent_for_every_type_and_kernel_here() -> None:
                     assert ms > 0 and math.isclose(g, weights * r / (ms / 1e3) / 1e9, rel_tol=0.02), (kernel, name)
             if kernel != "scalar":
                 assert result["peak_g_mac_s"] > 0
-            if kernel == "avx2":  # a figure, never compared with the peak: timings on a shared host are noise
+            if kernel in ("avx2", "avx512vnni"):  # a figure, never compared with the peak: timings on a shared host are noise
                 assert result["pass_peak_g_mac_s"] > 0
             else:
                 assert "pass_peak_g_mac_s" not in result

@@ -94,9 +94,11 @@ long long qm_mac_peak(const char *kernel, long long iters);
 long long qm_mac_peak_avx2(long long iters);
 long long qm_mac_peak_avxvnni(long long iters);
 long long qm_mac_peak_avx512vnni(long long iters);
-/* The multi-row path's passes alone (qmat_body.h): the avx2 kernel's; -1 for the others. */
+/* The multi-row path's passes alone (qmat_body.h): the avx2 and avx512vnni kernels'; -1 for
+ * the others. */
 long long qm_pass_peak(const char *kernel, long long iters);
 long long qm_pass_peak_avx2(long long iters);
+long long qm_pass_peak_avx512vnni(long long iters);
 #endif
 
 /* Thresholds, compacts and quantizes x; returns the columns kept (by any row). Buffers: cols

@@ -1747,6 +1747,60 @@ long long QM_NAME(qm_pass_peak)(long long iters) {
 }
 #endif
 
+#if QM_ZMM && !defined(QM_AMX)
+/* The ceiling of chunk_big16's structure (bench_kernels' pass_peak on 512-bit registers): its
+ * inner loop alone, as prefill runs it (64 rows of x, K = 1536, Q4_K), with a group's codes
+ * already unpacked in registers: per row of x the quads' broadcasts and 16 vpdpbusd, and both
+ * halves' float updates (group_update16), and none of the call's other work (unpacking,
+ * factors, super-blocks, prefetches, threads). `iters` groups of all 64 rows; returns the
+ * multiply-adds done. */
+long long QM_NAME(qm_pass_peak)(long long iters) {
+    enum { ROWS = 64, K = 1536, G = K / 32 };
+    int8_t *qx = aligned_alloc(64, (size_t)ROWS * K);
+    float *dx = aligned_alloc(64, sizeof(float) * ROWS * G), *xs = aligned_alloc(64, sizeof(float) * ROWS * G);
+    acc16 *s = aligned_alloc(64, sizeof(acc16) * 2 * ROWS);
+    if (!qx || !dx || !xs || !s) {
+        free(qx), free(dx), free(xs), free(s);
+        return -1;
+    }
+    for (size_t i = 0; i < (size_t)ROWS * K; i++) qx[i] = (int8_t)(i * 7 % 100);
+    for (int i = 0; i < ROWS * G; i++) dx[i] = 0.01f, xs[i] = 1.0f;
+    zero_sums16(s, 2 * ROWS);
+    fac16 F[2];
+    for (int t = 0; t < 2; t++) {
+        F[t].wt = _mm512_setzero_si512();
+        F[t].D = F[t].M = _mm512_setzero_ps();
+        F[t].wf = _mm512_set1_ps(3.0f), F[t].mnf = _mm512_set1_ps(1.0f);
+    }
+    __m512i W0[8], W1[8];
+    for (int i = 0; i < 8; i++) W0[i] = _mm512_set1_epi8((char)(i % 15)), W1[i] = _mm512_set1_epi8((char)(i % 13));
+    long long groups = 0;
+    while (groups < iters)
+        for (unsigned g = 0; g < G; g++, groups++) {
+            for (int i = 0; i < 8; i++) __asm__ volatile("" : "+v"(W0[i]), "+v"(W1[i])); /* a new tile */
+            for (unsigned b = 0; b < ROWS; b++) {
+                const int8_t *xb = qx + (size_t)b * K + 32 * g;
+                __m512i a0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, a1[2] = {a0[0], a0[0]};
+#pragma GCC unroll 8
+                for (unsigned i = 0; i < 8; i++) {
+                    int32_t q4;
+                    memcpy(&q4, xb + 4 * i, 4);
+                    const __m512i xq = _mm512_set1_epi32(q4);
+                    a0[i % 2] = _mm512_dpbusd_epi32(a0[i % 2], W0[i], xq);
+                    a1[i % 2] = _mm512_dpbusd_epi32(a1[i % 2], W1[i], xq);
+                }
+                const float d = dx[(size_t)b * G + g], x = xs[(size_t)g * ROWS + b];
+                group_update16(&s[b], &F[0], _mm512_add_epi32(a0[0], a0[1]), d, x, KIND_KQ, 1);
+                group_update16(&s[ROWS + b], &F[1], _mm512_add_epi32(a1[0], a1[1]), d, x, KIND_KQ, 1);
+            }
+        }
+    volatile float sink = _mm512_reduce_add_ps(_mm512_add_ps(s[ROWS - 1].fs, s[2 * ROWS - 1].fm));
+    (void)sink;
+    free(qx), free(dx), free(xs), free(s);
+    return groups * ROWS * 32 * 32;
+}
+#endif
+
 /* bench_kernels.py's peak: the passes' multiply-add instruction sequence alone, with eight
  * independent accumulators in registers (a pass of up to 4 rows of x keeps 8): AVX2 the
  * prefill passes' own asm (group_sums_rows_il: two code vectors, four activations broadcast from

@@ -237,6 +237,7 @@ long long qm_pass_peak(const char *kernel, long long iters) {
 #ifdef LLMLOCAL_X86_VARIANTS
     __builtin_cpu_init();
     if (!strcmp(kernel, "avx2") && __builtin_cpu_supports("avx2")) return qm_pass_peak_avx2(iters);
+    if (!strcmp(kernel, "avx512vnni") && __builtin_cpu_supports("avx512vnni")) return qm_pass_peak_avx512vnni(iters);
 #endif
     (void)kernel, (void)iters;
     return -1;
