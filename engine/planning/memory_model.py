@@ -37,9 +37,10 @@ quantization (Q4_K/Q5_0/Q6_K/Q8_0 tensors) was held out and lands within 1%.
 * Validation (the same measurements, 20 configurations, 1B at 8192 and the Q4_K_M file held
   out): peak error at most 5.3% (paged, SmolLM2, 8192: glibc heap growth while serving),
   median 0.3%.
-* paged engine, CPU. Files of 4-bit types only run the INT4 kernels with fp32 activations;
-  others (Q4_K_M mixes, Q8_0) the kernels that read each type's own bytes with int8
-  activations (`gguf_parts.activations`), which keep the file's bytes. Loading holds the
+* paged engine, CPU. Files run the kernels that read each type's own bytes with int8
+  activations, which keep the file's bytes; files of 4-bit types only run the INT4 kernels
+  with fp32 activations where asked (LLMLOCAL_NATIVE_ACTIVATIONS=fp32) and on the sparse
+  backend (`gguf_parts.activations`). Loading holds the
   weights built so far, the file's pages of what is being packed (a tied head's, and the
   tensors in flight) and, for the INT4 kernels, decoded codes and repacking copies (with the
   pages, about the file's size: a 1B of Q4_0 on 2 threads peaked at 1.40-1.73 GiB for 0.79

@@ -52,7 +52,7 @@ def check(model: str) -> None:
 
 
 def test_the_starter_with_int8_activations(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LLMLOCAL_NATIVE_ACTIVATIONS", "int8")  # (on AVX-512 its Q4_1 layers take the INT4 kernels)
+    monkeypatch.setenv("LLMLOCAL_NATIVE_ACTIVATIONS", "int8")  # (the default; fp32 takes the INT4 kernels)
     check(resolve().path)
 
 

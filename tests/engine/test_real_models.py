@@ -131,7 +131,7 @@ def test_sparse_default_keeps_perplexity_within_5_percent(sparse15: Path) -> Non
 
 
 def test_sparse_backend_skips_the_down_projection_and_writes_working_code(sparse15: Path) -> None:
-    """The sparse engine on the calibrated 1.5B (asked for: `auto` runs a K-quant mix densely,
+    """The sparse engine on the calibrated 1.5B (asked for: `auto` runs a calibrated file densely,
     sparse_pays): on AVX-512 the down projections in the column layout, the rest in the dense
     one; it reports its achieved sparsity, and the code it writes runs."""
     from llmlocal.engine.backends.sparse import column_min_level

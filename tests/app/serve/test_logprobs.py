@@ -14,10 +14,11 @@ from llmlocal.app.serve.server import OpenAIServer
 from llmlocal.engine import DoneEvent, Engine, Grammar, Plan, Request, SamplingParams, TokenEvent
 
 # Decoding one token at a time and scoring the whole sequence at once round differently (the
-# paged engine rounds activations to int8 per 32 inputs: the starter's Q8_0 output head always,
-# its projections too without AVX-512; llama.cpp batches a scored sequence): a token's logprob
-# agrees to this much.
-TOLERANCE = {"paged": 0.1, "llamacpp": 0.1}
+# paged engine rounds activations to int8 per 32 inputs, and computes a prompt's attention in
+# bfloat16 where the CPU has AVX512-BF16 or AMX tiles, a decode step's in float32: on a Zen 5 the
+# starter's logprobs parted by up to 0.123; llama.cpp batches a scored sequence): a token's
+# logprob agrees to this much.
+TOLERANCE = {"paged": 0.15, "llamacpp": 0.1}
 
 
 @pytest.fixture(scope="module", params=["paged", "llamacpp"])
