@@ -33,7 +33,7 @@ def _turn(engine: Engine, paste: str, pause_s: float, ahead: bool) -> tuple[floa
         worker.start()
     time.sleep(pause_s)  # the question being typed
     stop.set()
-    done = _run(engine, [{"role": "user", "content": paste + "\n\n" + QUESTION}], 1)
+    done = _run(engine, [{"role": "user", "content": paste + "\n\n" + QUESTION}], 1, ignore_eos=True)
     if worker is not None:
         worker.join()
     return done.stats.ttft_s or 0.0, done.stats.cached_prompt_tokens or 0

@@ -39,7 +39,8 @@ def compare(model: str, prompt_tokens: int, rounds: int, what: str = "projection
                 for n, path in enumerate(ttft):
                     switch(path == "tiles")
                     text = "Summarise this list of words: " + _prompt(prompt_tokens, 500 + 2 * i + n)
-                    ttft[path].append(_run(engine, [{"role": "user", "content": text}], 1).stats.ttft_s or 0.0)
+                    done = _run(engine, [{"role": "user", "content": text}], 1, ignore_eos=True)
+                    ttft[path].append(done.stats.ttft_s or 0.0)
         finally:
             switch(True)
     return ttft

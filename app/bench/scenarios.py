@@ -274,7 +274,8 @@ def bench_prefill(
             # about one token per word; a different text each round
             prompt = [{"role": "user", "content": "Summarise this list of words: " + _prompt(prompt_tokens, 100 + i)}]
             for name in backends:
-                runs[name].append(engines[name].run(prompt, 1))
+                # ignore_eos: a first token even where the reply would end at once (the starter's)
+                runs[name].append(engines[name].run(prompt, 1, ignore_eos=True))
         first = backends[0]
         for name in backends:
             s = _median_stats(runs[name], by="ttft_s")
@@ -397,11 +398,12 @@ def bench_prefix(model: str | None, history_tokens: int = 1500, n_ctx: int = 409
             ]
         follow = history + [{"role": "user", "content": "Summarise our conversation."}]
         # Cold: nothing cached (a fresh engine state for this text).
-        cold = _run(engine, follow, 1).stats
+        cold = _run(engine, follow, 1, ignore_eos=True).stats
         # Cached: the history was served before (the previous turn), the follow-up extends it.
         engine_turn = history + [{"role": "user", "content": "Now list the words you remember."}]
         _run(engine, engine_turn, 1)
-        cached = _run(engine, engine_turn[:-1] + [{"role": "user", "content": "Now list the words you remember!"}], 1).stats
+        cached = _run(engine, engine_turn[:-1] + [{"role": "user", "content": "Now list the words you remember!"}], 1,
+                      ignore_eos=True).stats
         return {
             "scenario": "prefix",
             "model": model or "smollm2-135m",
