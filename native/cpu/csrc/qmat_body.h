@@ -866,7 +866,7 @@ AI __m512i mac_quad16(__m512i acc, __m512i W, __m512i xq, const int BITS) {
     return _mm512_dpbusd_epi32(acc, W, xq);
 }
 
-/* half_pass for a decode step on 512-bit registers (Q8_0 up to 8 rows; the other types take
+/* half_pass for a decode step on 512-bit registers (Q8_0 up to 2 rows; the other types take
  * chunk_big16): half h (rows n .. n + 15) of the chunk at `chunk` over all of K, for rows
  * [b0, b0 + BB) of x (BB <= NB_MAX), y written to ybuf. */
 AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, int n, const int h, int b0,
@@ -910,7 +910,7 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
  * against the decode passes' distance (2x: 0.82-0.97x of 4x; 8x: 0.93-1.07x), no change at 64. */
 enum { BIG_AHEAD = 4 };
 
-/* The interleaved layout's pass on 512-bit registers, for every row count (Q8_0: from 9 rows;
+/* The interleaved layout's pass on 512-bit registers, for every row count (Q8_0: from 3 rows;
  * see kernel_il): the chunk at `chunk` (rows row .. row + 31 of W, both halves) over all of K
  * for every row of x, groups outer. A group's codes are unpacked once into registers (a vector
  * a quad and half: sixteen for 4-bit codes), then each row of x in turn makes its int32 sums
@@ -939,17 +939,35 @@ AI void chunk_big16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
                 W1[i] = load_half16(p + (size_t)i * (16 * BITS), 1, BITS);
             }
             const fac16 F0 = group_factors16(m, &cf[0], g, KIND), F1 = group_factors16(m, &cf[1], g, KIND);
+            /* Q8_0's signed codes: x + 128 as the unsigned operand, and the sums start from
+             * -128 times the group's codes summed (per row of W, made once for every row of x):
+             * the same int32 sums as mac_quad16's sign transfer, with none of its three
+             * instructions a quad (a mask, an abs and a masked subtract a vpdpbusd) */
+            __m512i c0 = _mm512_setzero_si512(), c1 = c0;
+            if (BITS == 8) {
+                const __m512i ones = _mm512_set1_epi8(1);
+                for (unsigned i = 0; i < NQ; i++)
+                    c0 = _mm512_dpbusd_epi32(c0, ones, W0[i]), c1 = _mm512_dpbusd_epi32(c1, ones, W1[i]);
+                c0 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(c0, 7));
+                c1 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(c1, 7));
+            }
             const int8_t *qx = a->qx + (size_t)g * GROUP;
             for (unsigned b = 0; b < B; b++) {
                 const int8_t *xb = qx + (size_t)b * qs;
                 /* two chains of 4 quads a half */
-                __m512i a0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, a1[2] = {a0[0], a0[0]};
+                __m512i a0[2] = {c0, _mm512_setzero_si512()}, a1[2] = {c1, _mm512_setzero_si512()};
 #pragma GCC unroll 8
                 for (unsigned i = 0; i < NQ; i++) {
                     int32_t q4;
                     memcpy(&q4, xb + 4 * i, 4);
                     const __m512i xq = _mm512_set1_epi32(q4);
                     const unsigned c = NQ == 8 ? i % 2 : 0;
+                    if (BITS == 8) {
+                        const __m512i xu = _mm512_xor_si512(xq, _mm512_set1_epi8((char)0x80)); /* x + 128 */
+                        a0[c] = _mm512_dpbusd_epi32(a0[c], xu, W0[i]);
+                        a1[c] = _mm512_dpbusd_epi32(a1[c], xu, W1[i]);
+                        continue;
+                    }
                     a0[c] = mac_quad16(a0[c], W0[i], xq, BITS);
                     a1[c] = mac_quad16(a1[c], W1[i], xq, BITS);
                 }
@@ -1446,11 +1464,10 @@ AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, floa
      * holds its rows' sums in registers over all of K, and 5-8 rows took two such passes,
      * each unpacking every code again). On 512-bit registers the interleaved layout takes
      * chunk_big16 at every row count (on Zen 5 1.06-1.26x the decode pass at one row,
-     * 1.05-1.49x at 2-8), except Q8_0 up to 8 rows: its signed codes cost a masked subtract a
-     * vpdpbusd, and Gemma 3 270M's Q8_0 output head (262,144 x 640) decoded 0.89x through
-     * chunk_big16 (113-116 against 124-129 tok/s), though on the 1.5B's shapes it was
-     * 1.05-1.54x once prefetched further ahead */
-    const int big_from = !QM_ZMM ? NB_MAX : IL == 1 && BITS != 8 ? 0 : SI4_MAX_BATCH;
+     * 1.05-1.49x at 2-8), except Q8_0 up to 2 rows: there the decode pass, whose rows' sums
+     * stay in registers, streams its bytes faster (two Zen 5 threads, chunk_big16 against it:
+     * 0.85x at one row, 0.98x at 2, 1.10x at 4, 1.28x at 8) */
+    const int big_from = !QM_ZMM ? NB_MAX : IL != 1 ? SI4_MAX_BATCH : BITS == 8 ? 2 : 0;
     /* the rows' sums: of a half-chunk (acc16 each), of a chunk for chunk_big16; a decode step's
      * on the stack, since every one-row call on 512-bit registers takes this path */
     _Alignas(64) acc8 local[2 * SI4_MAX_BATCH][2];
