@@ -100,8 +100,8 @@ def default_activations(spec: ModelSpec, sparse: bool = False) -> str:
     activations and skip the columns of zeroed inputs, what that backend is for.
 
     fp32 (`LLMLOCAL_NATIVE_ACTIVATIONS=fp32`, a 4-bit-only file) is closer to the exact run of
-    the weights but slower: on a Zen 5 (AVX-512) the starter's Q4_1 decoded 168-170 tok/s
-    against int8's 205-212, 16 concurrent requests 156-176 tok/s against 301-361, and a
+    the weights but slower: on a Zen 5 (AVX-512) the starter's Q4_1 decoded 162 tok/s against
+    int8's 275 (`bench decode`), 16 concurrent requests 156-176 tok/s against 301-361, and a
     1,037-token prompt took 1.84-1.92 s against 0.60-0.69 s; its mean |log p - exact| on two
     texts was 0.0137 and 0.0106 against int8's 0.0271 and 0.0249, llama.cpp's 0.0291 and 0.0257.
     Both give every row its own numbers whatever the batch: the int8 kernels each row's floats
