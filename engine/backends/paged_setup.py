@@ -56,9 +56,9 @@ def load_draft(draft: ResolvedModel, device: torch.device, dtype: torch.dtype, n
                weights: str = "auto") -> LlamaModel:
     """The draft model's network; speculation pays by how much cheaper a draft token is than a
     target step, so its projections take the fastest native kernels, those of int8 activations
-    (a draft's numbers only propose: the target checks every token; a file of 4-bit tensors
-    alone would otherwise take the INT4 kernels of fp32 activations, whose numbers do not
-    depend on batching: a Q4_0 0.5B drafts 41.7 tok/s against 26.1 on a Zen 3), and a large
+    (a draft's numbers only propose: the target checks every token; int8 whatever
+    LLMLOCAL_NATIVE_ACTIVATIONS asks of the target: a Q4_0 0.5B drafts 41.7 tok/s through
+    them against 26.1 through the INT4 kernels of fp32 activations on a Zen 3), and a large
     vocabulary's head is cut to its first DRAFT_HEAD_IDS ids. ``weights`` "auto" (`Plan.
     draft_weights`): its tensors of more bits a weight than Q4_0 requantized to Q4_0, since a
     draft token costs its bytes (the Q4_K_M 0.5B holds its layers in Q5_0 and its head in Q8_0)."""
