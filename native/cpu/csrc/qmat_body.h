@@ -910,6 +910,31 @@ AI void half_pass16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
  * against the decode passes' distance (2x: 0.82-0.97x of 4x; 8x: 0.93-1.07x), no change at 64. */
 enum { BIG_AHEAD = 4 };
 
+/* A row of x's int32 sums (from xb) over a group's NQ quads, for both halves of a chunk (codes
+ * W0, W1 in registers), starting from c0, c1 (Q8_0: see chunk_big16); two chains of 4 quads a
+ * half. */
+AI void row_sums16(const int8_t *xb, const __m512i *W0, const __m512i *W1, const unsigned NQ, const int BITS,
+                   __m512i c0, __m512i c1, __m512i *s0, __m512i *s1) {
+    __m512i a0[2] = {c0, _mm512_setzero_si512()}, a1[2] = {c1, _mm512_setzero_si512()};
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; i++) {
+        int32_t q4;
+        memcpy(&q4, xb + 4 * i, 4);
+        const __m512i xq = _mm512_set1_epi32(q4);
+        const unsigned c = NQ == 8 ? i % 2 : 0;
+        if (BITS == 8) {
+            const __m512i xu = _mm512_xor_si512(xq, _mm512_set1_epi8((char)0x80)); /* x + 128 */
+            a0[c] = _mm512_dpbusd_epi32(a0[c], xu, W0[i]);
+            a1[c] = _mm512_dpbusd_epi32(a1[c], xu, W1[i]);
+            continue;
+        }
+        a0[c] = mac_quad16(a0[c], W0[i], xq, BITS);
+        a1[c] = mac_quad16(a1[c], W1[i], xq, BITS);
+    }
+    *s0 = _mm512_add_epi32(a0[0], a0[1]);
+    *s1 = _mm512_add_epi32(a1[0], a1[1]);
+}
+
 /* The interleaved layout's pass on 512-bit registers, for every row count (Q8_0: from 3 rows;
  * see kernel_il): the chunk at `chunk` (rows row .. row + 31 of W, both halves) over all of K
  * for every row of x, groups outer. A group's codes are unpacked once into registers (a vector
@@ -953,27 +978,11 @@ AI void chunk_big16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
             }
             const int8_t *qx = a->qx + (size_t)g * GROUP;
             for (unsigned b = 0; b < B; b++) {
-                const int8_t *xb = qx + (size_t)b * qs;
-                /* two chains of 4 quads a half */
-                __m512i a0[2] = {c0, _mm512_setzero_si512()}, a1[2] = {c1, _mm512_setzero_si512()};
-#pragma GCC unroll 8
-                for (unsigned i = 0; i < NQ; i++) {
-                    int32_t q4;
-                    memcpy(&q4, xb + 4 * i, 4);
-                    const __m512i xq = _mm512_set1_epi32(q4);
-                    const unsigned c = NQ == 8 ? i % 2 : 0;
-                    if (BITS == 8) {
-                        const __m512i xu = _mm512_xor_si512(xq, _mm512_set1_epi8((char)0x80)); /* x + 128 */
-                        a0[c] = _mm512_dpbusd_epi32(a0[c], xu, W0[i]);
-                        a1[c] = _mm512_dpbusd_epi32(a1[c], xu, W1[i]);
-                        continue;
-                    }
-                    a0[c] = mac_quad16(a0[c], W0[i], xq, BITS);
-                    a1[c] = mac_quad16(a1[c], W1[i], xq, BITS);
-                }
+                __m512i a0, a1;
+                row_sums16(qx + (size_t)b * qs, W0, W1, NQ, BITS, c0, c1, &a0, &a1);
                 const float dx = a->dx[(size_t)b * a->dx_stride + qb], xs = a->xs[(size_t)g * B + b];
-                group_update16(&s[b], &F0, _mm512_add_epi32(a0[0], a0[1]), dx, xs, KIND, j % 2 == 0);
-                group_update16(&s1[b], &F1, _mm512_add_epi32(a1[0], a1[1]), dx, xs, KIND, j % 2 == 0);
+                group_update16(&s[b], &F0, a0, dx, xs, KIND, j % 2 == 0);
+                group_update16(&s1[b], &F1, a1, dx, xs, KIND, j % 2 == 0);
             }
         }
         if (KIND != KIND_PLAIN) {
@@ -1767,8 +1776,8 @@ long long QM_NAME(qm_pass_peak)(long long iters) {
 #if QM_ZMM && !defined(QM_AMX)
 /* The ceiling of chunk_big16's structure (bench_kernels' pass_peak on 512-bit registers): its
  * inner loop alone, as prefill runs it (64 rows of x, K = 1536, Q4_K), with a group's codes
- * already unpacked in registers: per row of x the quads' broadcasts and 16 vpdpbusd, and both
- * halves' float updates (group_update16), and none of the call's other work (unpacking,
+ * already unpacked in registers: per row of x its sums (row_sums16: the quads' broadcasts and
+ * 16 vpdpbusd) and both halves' float updates (group_update16), and none of the call's other work (unpacking,
  * factors, super-blocks, prefetches, threads). `iters` groups of all 64 rows; returns the
  * multiply-adds done. */
 long long QM_NAME(qm_pass_peak)(long long iters) {
@@ -1795,20 +1804,13 @@ long long QM_NAME(qm_pass_peak)(long long iters) {
     while (groups < iters)
         for (unsigned g = 0; g < G; g++, groups++) {
             for (int i = 0; i < 8; i++) __asm__ volatile("" : "+v"(W0[i]), "+v"(W1[i])); /* a new tile */
+            const __m512i zero = _mm512_setzero_si512();
             for (unsigned b = 0; b < ROWS; b++) {
-                const int8_t *xb = qx + (size_t)b * K + 32 * g;
-                __m512i a0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, a1[2] = {a0[0], a0[0]};
-#pragma GCC unroll 8
-                for (unsigned i = 0; i < 8; i++) {
-                    int32_t q4;
-                    memcpy(&q4, xb + 4 * i, 4);
-                    const __m512i xq = _mm512_set1_epi32(q4);
-                    a0[i % 2] = _mm512_dpbusd_epi32(a0[i % 2], W0[i], xq);
-                    a1[i % 2] = _mm512_dpbusd_epi32(a1[i % 2], W1[i], xq);
-                }
+                __m512i a0, a1;
+                row_sums16(qx + (size_t)b * K + 32 * g, W0, W1, 8, 4, zero, zero, &a0, &a1);
                 const float d = dx[(size_t)b * G + g], x = xs[(size_t)g * ROWS + b];
-                group_update16(&s[b], &F[0], _mm512_add_epi32(a0[0], a0[1]), d, x, KIND_KQ, 1);
-                group_update16(&s[ROWS + b], &F[1], _mm512_add_epi32(a1[0], a1[1]), d, x, KIND_KQ, 1);
+                group_update16(&s[b], &F[0], a0, d, x, KIND_KQ, 1);
+                group_update16(&s[ROWS + b], &F[1], a1, d, x, KIND_KQ, 1);
             }
         }
     volatile float sink = _mm512_reduce_add_ps(_mm512_add_ps(s[ROWS - 1].fs, s[2 * ROWS - 1].fm));
