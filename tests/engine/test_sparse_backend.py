@@ -142,7 +142,9 @@ def test_top1_agreement_with_dense_over_256_tokens(sparse: Engine, reference: En
 
 
 def test_stats_report_the_achieved_sparsity(sparse: Engine) -> None:
-    params = SamplingParams(temperature=0, max_tokens=24)
+    # ignore_eos: where the calibrated starter's greedy reply ends moves with the last bits of
+    # its attention sums (a build summing them in another order stopped at 21 tokens)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     done = [e for e in sparse.generate(Request.chat([{"role": "user", "content": "Tell me about tides."}], params))
             if isinstance(e, DoneEvent)][0]
     s = done.stats
@@ -394,10 +396,12 @@ def test_native_decode_stack_gives_the_torch_layers_tokens(sparse_f32: Engine, s
 
 def test_native_decode_stack_over_a_long_context(sparse: Engine) -> None:
     """Past 700 tokens of context (many KV blocks, attention split between threads), the
-    native step still gives the torch layers' greedy tokens."""
+    native step gives the torch layers' greedy tokens with their log-probabilities, or parts
+    from them only at a near tie: the two sum the attention in different orders, and with an
+    fp16 cache a key written a last bit apart rounds to the neighbouring fp16 value."""
     text = " ".join([TEXT] * 2)[:3500]
     request = Request.chat([{"role": "user", "content": text + "\n\nWhat is this text about?"}],
-                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2))
     sparse.backend.set_sparsity(0.0)
     # the prompt in one step (its tail, cached for the second run, computed as prompt rows both
     # times), so that only the decode steps' paths differ
@@ -414,7 +418,15 @@ def test_native_decode_stack_over_a_long_context(sparse: Engine) -> None:
         scheduler.tail_alone = tail
         sparse.backend.set_sparsity(0.5)
     assert runs[0].stats.prompt_tokens > 700
-    assert runs[0].text == runs[1].text
+    native, torch_layers = runs[0].logprobs, runs[1].logprobs
+    assert len(native) == len(torch_layers) == 24
+    for a, b in zip(native, torch_layers):
+        if a.token != b.token:  # parted: each path's top two were within a near tie there
+            gaps = [lp.top[0][1] - lp.top[1][1] for lp in (a, b)]
+            print(f"\nparted at a top-2 gap of {gaps[0]:.4f} / {gaps[1]:.4f} nats")
+            assert max(gaps) < 0.05, gaps
+            break
+        assert a.logprob == pytest.approx(b.logprob, abs=0.02)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])

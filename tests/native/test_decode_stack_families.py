@@ -357,6 +357,23 @@ def test_two_windows_and_a_full_layer(threads: int) -> None:
     check(got, want, False)
 
 
+@pytest.mark.parametrize("isa", si4.available_isas())
+@pytest.mark.parametrize("kv_f16", [False, True], ids=["fp32-cache", "fp16-cache"])
+def test_attention_on_every_isa(isa: str, kv_f16: bool, threads: int) -> None:
+    # decode attention takes positions in blocks of the vector width (8 on AVX2, 16 on AVX-512)
+    # whose scores come out together: contexts of one, of a partial block, of one past a block
+    # and of several chunks (128 positions each), whatever variant this CPU runs
+    before = si4.isa()
+    si4.set_isa(isa)
+    try:
+        rng = np.random.default_rng(5)
+        layers = [make_layer(rng, kv_f16, **options(rng, "bias")) for _ in range(2)]
+        got, want, _ = run(layers, [1, 7, 15, 17, 300], kv_f16)
+        check(got, want, kv_f16)
+    finally:
+        si4.set_isa(before)
+
+
 @pytest.mark.parametrize("kv_f16", [False, True], ids=["fp32-cache", "fp16-cache"])
 def test_defaults_are_llama(kv_f16: bool, threads: int) -> None:
     """Short tuples and the 8-item config are the Llama stack; every option spelled out as off

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "qmat.h"
+#include "vexp.h"
 
 #ifndef ATTN_ENTRY
 #define ATTN_ENTRY qm_attn_tiles
@@ -85,23 +86,6 @@ static inline void tile_dpbf16ps(int c, int a, int b) {
 #define _tile_stored(t, p, stride) tile_store(t, p, (size_t)(stride))
 #define _tile_dpbf16ps(c, a, b) tile_dpbf16ps(c, a, b)
 #endif
-
-/* e^x for x <= 0 (x >= -87.3 clamped: smaller is 0 to float's precision), to about 1 ulp:
- * 2^n e^r, |r| <= ln 2 / 2, e^r by a degree-6 polynomial. */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* 16 floats -> bfloat16, round to nearest even (as vcvtne2ps2bf16). */
 static inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
@@ -241,7 +225,7 @@ static void tile_rows(const attn_job *j, int h, int t0, int rows, float *S, uint
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
         __m512 lv = _mm512_setzero_ps();
         for (int c = 0; c < ncol; c += 16) {
-            const __m512 e = _mm512_maskz_mov_ps(keys_in(c, a, b), exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + c), m)));
+            const __m512 e = _mm512_maskz_mov_ps(keys_in(c, a, b), exp_neg512(_mm512_sub_ps(_mm512_loadu_ps(s + c), m)));
             const __m256i eb = to_bf16(e);
             _mm256_storeu_si256((__m256i *)(p + c), eb);
             lv = _mm512_add_ps(lv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16))); /* the rounded P */

@@ -40,6 +40,31 @@ static inline float hsum256(__m256 v) {
 }
 
 #define V_HSUM(v) hsum256(v)
+/* Lane j of the result = the sum of a[j]'s 8 lanes (isa_avx512.c's sums16 on 8 lanes: 22
+ * operations instead of 8 horizontal sums of 6). */
+static inline __m256 sums8(const __m256 a[8]) {
+    __m256 b[4], c[2];
+    for (int j = 0; j < 4; j++) /* 128-bit halves: key j's in the low half, key j + 4's in the high */
+        b[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[j], a[j + 4], 0x20), _mm256_permute2f128_ps(a[j], a[j + 4], 0x31));
+    for (int j = 0; j < 2; j++)
+        c[j] = _mm256_add_ps(_mm256_shuffle_ps(b[j], b[j + 2], 0x44), _mm256_shuffle_ps(b[j], b[j + 2], 0xee));
+    const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xdd));
+    return _mm256_permute_ps(e, 0xd8); /* lanes 0, 2, 1, 3 of each half -> 0, 1, 2, 3 */
+}
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+#include "vexp.h"
+#define V_SUMS(a) sums8(a)
+#define V_ADD(a, b) _mm256_add_ps((a), (b))
+#define V_SUB(a, b) _mm256_sub_ps((a), (b))
+#define V_MUL(a, b) _mm256_mul_ps((a), (b))
+#define V_MAX(a, b) _mm256_max_ps((a), (b))
+#define V_HMAX(v) hmax256(v)
+#define V_EXP_NEG(x) exp_neg256(x)
 #define S_F16(h) _cvtsh_ss(h)
 #define S_TO_F16(f) _cvtss_sh((f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define V_STORE_F16(p, v) \

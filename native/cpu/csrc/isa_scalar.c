@@ -50,6 +50,12 @@ static inline float half_to_float(uint16_t h) {
 #include "kernel_body.h"
 
 #define V_HSUM(v) (v)
+#define V_SUMS(a) ((a)[0])
+#define V_ADD(a, b) ((a) + (b))
+#define V_SUB(a, b) ((a) - (b))
+#define V_MUL(a, b) ((a) * (b))
+#define V_MAX(a, b) fmaxf((a), (b))
+#define V_HMAX(v) (v)
 /* binary32 -> binary16, rounding to nearest even; overflow gives inf, NaN stays NaN. */
 static inline uint16_t float_to_half(float f) {
     uint32_t x;
