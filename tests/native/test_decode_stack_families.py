@@ -1,8 +1,8 @@
 """DecodeStack's per-family options (Qwen3, Gemma 3, Phi-3, Mistral) against a float64 numpy
 reference of the same arithmetic: QK-norm, the sandwich norms after attention and FFN, the
 GELU-tanh gated activation, a sliding window and the local layers' RoPE table, alone and
-together, for 1 and 3 sequences of different lengths (longer than the window and than a chunk of
-attention, 128), with fp32 and fp16 caches; the sparse step (non-zero per-projection
+together, for 1 and 3 sequences of different lengths (longer than the window, and cut into chunks
+of attention: at least one a thread), with fp32 and fp16 caches; the sparse step (non-zero per-projection
 thresholds, the reference zeroing the same inputs); and the defaults (short tuples) unchanged.
 
 The projections are INT4 `Matrix` kernels with fp32 activations, compared through their own
@@ -361,15 +361,17 @@ def test_two_windows_and_a_full_layer(threads: int) -> None:
 @pytest.mark.parametrize("kv_f16", [False, True], ids=["fp32-cache", "fp16-cache"])
 def test_attention_on_every_isa(isa: str, kv_f16: bool, threads: int) -> None:
     # decode attention takes positions in blocks of the vector width (8 on AVX2, 16 on AVX-512)
-    # whose scores come out together: contexts of one, of a partial block, of one past a block
-    # and of several chunks (128 positions each), whatever variant this CPU runs
+    # whose scores come out together: contexts of one, of a partial block, of one past a block,
+    # and of more than a chunk (512 positions; contexts are cut into at least a chunk a
+    # thread), whatever variant this CPU runs
     before = si4.isa()
     si4.set_isa(isa)
     try:
         rng = np.random.default_rng(5)
         layers = [make_layer(rng, kv_f16, **options(rng, "bias")) for _ in range(2)]
-        got, want, _ = run(layers, [1, 7, 15, 17, 300], kv_f16)
-        check(got, want, kv_f16)
+        for lens in ([1, 7, 15, 17, 300], [600]):
+            got, want, _ = run(layers, lens, kv_f16)
+            check(got, want, kv_f16)
     finally:
         si4.set_isa(before)
 
