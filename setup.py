@@ -24,6 +24,7 @@ ISA_SOURCES = {
     f"{CSRC}/qmat_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     f"{CSRC}/qmat_avxvnni.c": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     f"{CSRC}/qmat_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    f"{CSRC}/attn_fma.c": ["-mavx2", "-mfma"],
     f"{CSRC}/isa_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c", "-mpopcnt"],
 }
 

@@ -7,11 +7,13 @@ kernels alone, on the same weights and the same memory (a benchmark: it prints).
 
 ``--compare projections`` (the default): prompt rows through the AMX-BF16 tiles against the
 int8 kernels (`runtime.set_qmat_tiles`), attention following them. ``--compare attention``:
-the projections on the tiles both times, the prompt's attention on the tiles against torch's
-float32 attention (`runtime.set_attn_tiles`).
+the projections as this CPU runs them both times, the prompt's attention in the native kernel
+(`kernels().attn_kernel()`: the tiles, AVX512-BF16 or float32 on AVX2) against torch's float32
+attention (`runtime.set_attn_tiles`).
 
 Prints each round's time to first token per path and the median of the per-round ratios
-(above 1, the tiles are faster). On a CPU without AMX-BF16 it says so.
+(above 1, the tiles or the native attention are faster). Where the CPU has no such path it
+says so.
 """
 
 from __future__ import annotations
@@ -54,15 +56,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compare", choices=sorted(SWITCHES), default="projections",
                     help="the projections (tiles against int8 kernels) or the attention (tiles against float32)")
     args = ap.parse_args(argv)
-    if not runtime.qmat_tiles():
+    if args.compare == "projections" and not runtime.qmat_tiles():
         print("This CPU has no AMX-BF16 tiles (or LLMLOCAL_QMAT_TILES=0): prompt rows take the int8 kernels only.")
         return 2
+    if args.compare == "attention" and not runtime.attn_tiles():
+        print("This CPU has no native prompt attention (the scalar path, or AMX-BF16 tiles switched off): torch's only.")
+        return 2
     ttft = compare(args.model, args.prompt_tokens, args.rounds, args.compare)
-    other = "int8" if args.compare == "projections" else "float32"
+    ours, other = ("tiles", "int8") if args.compare == "projections" else (runtime.kernels().attn_kernel(), "float32")
     for path, times in ttft.items():
-        print(f"{path if path == 'tiles' else other:>7}: TTFT " + ", ".join(f"{t:.2f} s" for t in times))
+        print(f"{ours if path == 'tiles' else other:>7}: TTFT " + ", ".join(f"{t:.2f} s" for t in times))
     ratios = [b / a for a, b in zip(ttft["tiles"], ttft["other"]) if a]
-    print(f"{args.compare} on the tiles, speed vs {other}: median {statistics.median(ratios):.2f}x, rounds "
+    print(f"{args.compare} on {ours}, speed vs {other}: median {statistics.median(ratios):.2f}x, rounds "
           + ", ".join(f"{r:.2f}" for r in ratios))
     return 0
 

@@ -121,15 +121,16 @@ def qmat_tiles() -> bool:
 
 
 def attn_tiles() -> bool:
-    """Whether a prompt chunk's attention runs in bfloat16 (`kernels().attn_tiles`) rather than
-    torch's float32 attention: on the AMX-BF16 tiles where its rows take them (`qmat_tiles`;
-    csrc/attn_tiles.c), or on AVX512-BF16 where the CPU has no tiles (attn_bf16.c)."""
+    """Whether a prompt chunk's attention runs in the native kernel (`kernels().attn_tiles`)
+    rather than torch's float32 attention: in bfloat16 on the AMX-BF16 tiles where its rows take
+    them (`qmat_tiles`; csrc/attn_tiles.c) or on AVX512-BF16 where the CPU has no tiles
+    (attn_bf16.c), else in float32 on AVX2 and FMA (attn_fma.c)."""
     return _attn_tiles and kernels().attn_kernel() != ""
 
 
-def attn_bf16() -> bool:
-    """Whether that is AVX512-BF16 (a CPU without AMX: its projections keep the int8 kernels)."""
-    return _attn_tiles and kernels().attn_kernel() == "bf16"
+def attn_without_tiles() -> bool:
+    """Whether that is AVX512-BF16 or AVX2 (a CPU without AMX: its projections keep the int8 kernels)."""
+    return _attn_tiles and kernels().attn_kernel() in ("bf16", "fma")
 
 
 def set_attn_tiles(on: bool) -> None:

@@ -69,8 +69,9 @@ static int tiles_on(void) {
 }
 
 /* Which kernel takes a prompt chunk's attention (attn_tiles): 1 the AMX-BF16 tiles (with the
- * projections' tiles), 2 AVX512-BF16 (a CPU without AMX-BF16, the AVX-512 path), 0 none (a CPU
- * with the tiles switched off keeps torch's attention, as before there was a second kernel). */
+ * projections' tiles), 2 AVX512-BF16 (a CPU without AMX-BF16, the AVX-512 path), 3 float32 on
+ * AVX2 and FMA (any other x86-64 CPU on the AVX2 or AVX-512 path), 0 none (the scalar path; a
+ * CPU with the tiles switched off keeps torch's attention, as before there was a second kernel). */
 static int attn_kernel(void) {
     if (tiles_on()) return 1;
 #ifdef LLMLOCAL_AMX_BF16
@@ -78,6 +79,9 @@ static int attn_kernel(void) {
 #endif
 #ifdef LLMLOCAL_AVX512_BF16
     if (g_isa >= SI4_ISA_AVX512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq")) return 2;
+#endif
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (g_isa >= SI4_ISA_AVX2) return 3;
 #endif
     return 0;
 }
@@ -781,12 +785,13 @@ static PyObject *py_attn_kernel(PyObject *mod, PyObject *noargs) {
     pthread_mutex_lock(&si4_call_lock);
     const int kind = attn_kernel();
     pthread_mutex_unlock(&si4_call_lock);
-    return PyUnicode_FromString(kind == 1 ? "tiles" : kind == 2 ? "bf16" : "");
+    return PyUnicode_FromString(kind == 1 ? "tiles" : kind == 2 ? "bf16" : kind == 3 ? "fma" : "");
 }
 
-#if defined(LLMLOCAL_AMX_BF16) || defined(LLMLOCAL_AVX512_BF16)
+#ifdef LLMLOCAL_X86_VARIANTS
 /* attn_tiles(q, k, v, out, T, H, L, Hkv, D, start, window, scale): a prompt chunk's causal
- * attention through AMX-BF16 tiles (attn_tiles.c) or AVX512-BF16 (attn_bf16.c): attn_kernel;
+ * attention through AMX-BF16 tiles (attn_tiles.c), AVX512-BF16 (attn_bf16.c) or in float32 on
+ * AVX2 (attn_fma.c): attn_kernel;
  * q, out (T, H, D), k, v (L, Hkv, D), float32, contiguous (buffers or addresses). */
 static PyObject *py_attn_tiles(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
@@ -801,7 +806,7 @@ static PyObject *py_attn_tiles(PyObject *mod, PyObject *const *args, Py_ssize_t 
     const long T = n[0], H = n[1], L = n[2], Hkv = n[3], D = n[4], start = n[5], window = n[6];
     const int kind = attn_kernel();
     if (!kind) {
-        PyErr_SetString(PyExc_RuntimeError, "attn_tiles: a CPU with AMX-BF16 tiles (switched on) or AVX512-BF16, on the AVX-512 path");
+        PyErr_SetString(PyExc_RuntimeError, "attn_tiles: an x86-64 CPU with AVX2 and FMA, the tiles switched on where it has AMX-BF16");
         return NULL;
     }
     if (T < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 32 || D % 32 || D > 256 || start < 0 || L != start + T || window < 0 || T > (1 << 20)) {
@@ -828,14 +833,16 @@ static PyObject *py_attn_tiles(PyObject *mod, PyObject *const *args, Py_ssize_t 
     long rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&si4_call_lock);
+    long (*run)(const float *, size_t, size_t, int, int, const float *, const float *, size_t, size_t, int, int, int,
+                int, int, float, float *, size_t, size_t) = qm_attn_fma;
 #ifdef LLMLOCAL_AMX_BF16
-    if (kind == 1)
-        rc = qm_attn_tiles(pq, (size_t)(H * D), (size_t)D, (int)T, (int)H, pk, pv, (size_t)(Hkv * D), (size_t)D, (int)L,
-                           (int)Hkv, (int)D, (int)start, (int)window, (float)scale, po, (size_t)(H * D), (size_t)D);
-    else
+    if (kind == 1) run = qm_attn_tiles;
 #endif
-        rc = qm_attn_bf16(pq, (size_t)(H * D), (size_t)D, (int)T, (int)H, pk, pv, (size_t)(Hkv * D), (size_t)D, (int)L,
-                          (int)Hkv, (int)D, (int)start, (int)window, (float)scale, po, (size_t)(H * D), (size_t)D);
+#ifdef LLMLOCAL_AVX512_BF16
+    if (kind == 2) run = qm_attn_bf16;
+#endif
+    rc = run(pq, (size_t)(H * D), (size_t)D, (int)T, (int)H, pk, pv, (size_t)(Hkv * D), (size_t)D, (int)L, (int)Hkv, (int)D,
+             (int)start, (int)window, (float)scale, po, (size_t)(H * D), (size_t)D);
     pthread_mutex_unlock(&si4_call_lock);
     Py_END_ALLOW_THREADS
     release(&vq), release(&vk), release(&vv), release(&vo);
@@ -1142,10 +1149,11 @@ static PyMethodDef module_methods[] = {
     {"set_qmat_vnni", py_set_qmat_vnni, METH_O, "set_qmat_vnni(on): let the quantized-matrix kernels use VNNI where the CPU has it (default on)."},
     {"set_qmat_amx", py_set_qmat_amx, METH_O, "set_qmat_amx(on): let the quantized-matrix kernels' prefill use AMX tiles where the CPU has them (default on)."},
     {"qmat_tiles", py_qmat_tiles, METH_NOARGS, "Whether QMatrix.tiles runs: AMX-BF16 tiles on this CPU, switched on, the AVX-512 ISA."},
-    {"attn_kernel", py_attn_kernel, METH_NOARGS, "What takes attn_tiles: 'tiles' (AMX-BF16), 'bf16' (AVX512-BF16) or '' (none here)."},
-#if defined(LLMLOCAL_AMX_BF16) || defined(LLMLOCAL_AVX512_BF16)
+    {"attn_kernel", py_attn_kernel, METH_NOARGS,
+     "What takes attn_tiles: 'tiles' (AMX-BF16), 'bf16' (AVX512-BF16), 'fma' (float32 on AVX2) or '' (none here)."},
+#ifdef LLMLOCAL_X86_VARIANTS
     {"attn_tiles", (PyCFunction)(void (*)(void))py_attn_tiles, METH_FASTCALL,
-     "attn_tiles(q, k, v, out, T, H, L, Hkv, D, start, window, scale): a prompt chunk's causal attention in bfloat16 (attn_kernel)"},
+     "attn_tiles(q, k, v, out, T, H, L, Hkv, D, start, window, scale): a prompt chunk's causal attention (attn_kernel)"},
 #endif
     {"set_qmat_tiles", py_set_qmat_tiles, METH_O, "set_qmat_tiles(on): let prompt rows run through AMX-BF16 tiles where the CPU has them (default on)."},
     {"best_isa", py_best_isa, METH_NOARGS, "The best ISA this CPU and build support."},

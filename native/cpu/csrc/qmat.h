@@ -207,6 +207,11 @@ long qm_attn_tiles(const float *q, size_t qt, size_t qh, int T, int H, const flo
                    size_t oh);
 #endif
 
+/* qm_attn_tiles's contract in float32 on AVX2 and FMA (attn_fma.c): the same arguments, results
+ * rounded only to float32. */
+long qm_attn_fma(const float *q, size_t qt, size_t qh, int T, int H, const float *k, const float *v, size_t kl, size_t kh,
+                 int L, int Hkv, int D, int start, int window, float scale, float *out, size_t ot, size_t oh);
+
 #ifdef LLMLOCAL_AVX512_BF16
 /* qm_attn_tiles on AVX512-BF16 without AMX (attn_bf16.c): the same arguments and results. */
 long qm_attn_bf16(const float *q, size_t qt, size_t qh, int T, int H, const float *k, const float *v, size_t kl,
