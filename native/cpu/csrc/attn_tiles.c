@@ -48,48 +48,76 @@ static void configure(void) { /* every tile 16 rows of 64 bytes */
     _tile_loadconfig(&c);
 }
 #else
-/* Without AMX: the eight tile registers in memory (16 rows of 64 bytes each, per thread), and
- * the tile multiply C += A B by vdpbf16ps: row i of C (16 floats) takes, for r = 0 .. 15, the
- * bfloat16 pair r of A's row i broadcast, times row r of B (16 pairs: column n's two values), so
- * C[i][n] += A[i][2r] B[r][2n] + A[i][2r + 1] B[r][2n + 1] with float32 sums, as tdpbf16ps.
- * The loads and stores are copies; the multiply holds B in registers across A's 16 rows. */
-static _Thread_local uint8_t tmm[8][1024] __attribute__((aligned(64)));
-
+/* Without AMX the two products are made by vdpbf16ps straight from the layouts (qk_pair, pv_rows
+ * below) with the tile multiply's arithmetic: C[i][n] += A[i][2r] B[r][2n] + A[i][2r + 1]
+ * B[r][2n + 1] for r = 0 .. 15, the pair of A's row i broadcast against row r of B, float32
+ * sums, each element's chain over the tiles and r in the order the tile code takes them. An
+ * emulation of the tile registers in memory, one tile multiply at a time, broadcast A's pair
+ * once per 16 products and waited on the instruction's latency: one A pair now feeds both key
+ * blocks (S) or four 16-dim tiles (O), 8 or 4 rows' chains interleaved. */
 static void configure(void) {}
-static void tile_release(void) {}
-static void tile_zero(int t) { memset(tmm[t], 0, sizeof tmm[t]); }
-static void tile_load(int t, const void *p, size_t stride) {
-    for (int r = 0; r < 16; r++) _mm512_store_si512(tmm[t] + 64 * r, _mm512_loadu_si512((const uint8_t *)p + (size_t)r * stride));
-}
-static void tile_store(int t, void *p, size_t stride) {
-    for (int r = 0; r < 16; r++) _mm512_storeu_si512((uint8_t *)p + (size_t)r * stride, _mm512_load_si512(tmm[t] + 64 * r));
-}
-static inline void tile_dpbf16ps(int c, int a, int b) {
-    __m512bh B[16];
-    for (int r = 0; r < 16; r++) B[r] = (__m512bh)_mm512_load_si512(tmm[b] + 64 * r);
-    for (int i = 0; i < 16; i += 4) { /* four rows' chains interleaved (each row's in its order) */
-        float *ci = (float *)(tmm[c] + 64 * i);
-        const uint32_t *ai = (const uint32_t *)(tmm[a] + 64 * i);
-        __m512 a0 = _mm512_load_ps(ci), a1 = _mm512_load_ps(ci + 16), a2 = _mm512_load_ps(ci + 32), a3 = _mm512_load_ps(ci + 48);
-        for (int r = 0; r < 16; r++) {
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32((int)ai[r]), B[r]);
-            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32((int)ai[16 + r]), B[r]);
-            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_set1_epi32((int)ai[32 + r]), B[r]);
-            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_set1_epi32((int)ai[48 + r]), B[r]);
+static void release_tiles(void) {}
+#undef _tile_release
+#define _tile_release() release_tiles()
+
+/* The two 16-key blocks of S at k0, k1 (their D / 32 B tiles each) for the query rows
+ * [0, rows) of qa (A tiles: rows of D values): s0, s1 rows of ncol floats. */
+static void qk_pair(const uint16_t *qa, int D, int rows, const uint16_t *k0, const uint16_t *k1, float *s0, float *s1,
+                    int ncol) {
+    for (int i0 = 0; i0 < rows; i0 += 8) {
+        __m512 a[8], b[8];
+        for (int i = 0; i < 8; i++) a[i] = b[i] = _mm512_setzero_ps();
+        for (int c = 0; c < D / 32; c++) {
+            const uint32_t *q = (const uint32_t *)(qa + (size_t)i0 * D + 32 * c); /* row i's pairs at q + i D / 2 */
+            for (int r = 0; r < 16; r++) {
+                const __m512bh w0 = (__m512bh)_mm512_load_si512(k0 + (size_t)c * 512 + 32 * r);
+                const __m512bh w1 = (__m512bh)_mm512_load_si512(k1 + (size_t)c * 512 + 32 * r);
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++) {
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32((int)q[(size_t)i * (D / 2) + r]);
+                    a[i] = _mm512_dpbf16_ps(a[i], x, w0);
+                    b[i] = _mm512_dpbf16_ps(b[i], x, w1);
+                }
+            }
         }
-        _mm512_store_ps(ci, a0), _mm512_store_ps(ci + 16, a1), _mm512_store_ps(ci + 32, a2), _mm512_store_ps(ci + 48, a3);
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(s0 + (size_t)(i0 + i) * ncol, a[i]);
+            _mm512_storeu_ps(s1 + (size_t)(i0 + i) * ncol, b[i]);
+        }
     }
 }
-#undef _tile_release
-#undef _tile_zero
-#undef _tile_loadd
-#undef _tile_stored
-#undef _tile_dpbf16ps /* (immintrin.h's, for AMX targets) */
-#define _tile_release() tile_release()
-#define _tile_zero(t) tile_zero(t)
-#define _tile_loadd(t, p, stride) tile_load(t, p, (size_t)(stride))
-#define _tile_stored(t, p, stride) tile_store(t, p, (size_t)(stride))
-#define _tile_dpbf16ps(c, a, b) tile_dpbf16ps(c, a, b)
+
+/* O = P V for the rows [0, rows): P's blocks of 32 keys (A tiles, rows of ncol values) against
+ * V's tiles of blocks vb0 .. vb0 + nvb - 1 (vt: the first's, de tiles of 16 dims a block), each
+ * output row scaled by inv[i] into out + i * ostride. */
+static void pv_rows(const uint16_t *P, int ncol, const uint16_t *vt, int nvb, int de, int rows, const float *inv,
+                    float *out, size_t ostride) {
+    for (int i0 = 0; i0 < rows; i0 += 4)
+        for (int e0 = 0; e0 < de; e0 += 4) {
+            const int ne = de - e0 < 4 ? de - e0 : 4;
+            __m512 o[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int e = 0; e < 4; e++) o[i][e] = _mm512_setzero_ps();
+            for (int vb = 0; vb < nvb; vb++) {
+                const uint32_t *p = (const uint32_t *)(P + (size_t)i0 * ncol + 32 * vb); /* row i's pairs at p + i ncol / 2 */
+                const uint16_t *v = vt + ((size_t)vb * de + e0) * 512;
+                for (int r = 0; r < 16; r++) {
+                    __m512bh w[4];
+                    for (int e = 0; e < 4; e++)
+                        w[e] = (__m512bh)(e < ne ? _mm512_load_si512(v + (size_t)e * 512 + 32 * r) : _mm512_setzero_si512());
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) {
+                        const __m512bh x = (__m512bh)_mm512_set1_epi32((int)p[(size_t)i * (ncol / 2) + r]);
+#pragma GCC unroll 4
+                        for (int e = 0; e < 4; e++) o[i][e] = _mm512_dpbf16_ps(o[i][e], x, w[e]);
+                    }
+                }
+            }
+            for (int i = 0; i < 4 && i0 + i < rows; i++)
+                for (int e = 0; e < ne; e++)
+                    _mm512_storeu_ps(out + (size_t)(i0 + i) * ostride + 16 * (e0 + e), _mm512_mul_ps(o[i][e], _mm512_set1_ps(inv[i0 + i])));
+        }
+}
 #endif
 
 /* 16 floats -> bfloat16, round to nearest even (as vcvtne2ps2bf16). */
@@ -178,6 +206,7 @@ static void tile_rows(const attn_job *j, int h, int t0, int rows, float *S, uint
                                       : _mm512_setzero_ps();
             _mm256_storeu_si256((__m256i *)(qa + (size_t)i * D + d), to_bf16(x));
         }
+#ifdef __AMX_TILE__
     /* S = Q K^T, two C tiles of 16 keys at a time (two chains of tile multiplies in flight);
      * Q's A tiles stay in tmm2-5 where D <= 128 */
     const int resident = dc <= 4;
@@ -213,6 +242,12 @@ static void tile_rows(const attn_job *j, int h, int t0, int rows, float *S, uint
         _tile_stored(0, S + 16 * (kb - 2 * vb0), 4 * ncol);
         _tile_stored(1, S + 16 * (kb + 1 - 2 * vb0), 4 * ncol);
     }
+#else
+    for (int kb = 2 * vb0; kb < 2 * vb1; kb += 2) {
+        const uint16_t *k0 = kp + (size_t)kb * dc * 512;
+        qk_pair(qa, D, rows, k0, k0 + (size_t)dc * 512, S + 16 * (kb - 2 * vb0), S + 16 * (kb + 1 - 2 * vb0), ncol);
+    }
+#endif
     /* each row's softmax over its own keys: P in bfloat16, its sum */
     float inv[16];
     for (int i = 0; i < 16; i++) {
@@ -237,6 +272,7 @@ static void tile_rows(const attn_job *j, int h, int t0, int rows, float *S, uint
         }
         inv[i] = 1.0f / _mm512_reduce_add_ps(lv);
     }
+#ifdef __AMX_TILE__
     /* O = P V: 4 C tiles (64 dims) at a time, every block of 32 keys */
     float o[16 * 64] __attribute__((aligned(64)));
     for (int e0 = 0; e0 < de; e0 += 4) {
@@ -273,6 +309,9 @@ static void tile_rows(const attn_job *j, int h, int t0, int rows, float *S, uint
                 _mm512_storeu_ps(dst + 16 * e, _mm512_mul_ps(_mm512_load_ps(o + (size_t)i * 64 + 16 * e), _mm512_set1_ps(inv[i])));
         }
     }
+#else
+    pv_rows(P, ncol, vp + (size_t)vb0 * de * 512, vb1 - vb0, de, rows, inv, j->out + (size_t)t0 * j->ot + (size_t)h * j->oh, j->ot);
+#endif
 }
 
 static void run_attn(void *arg, int part, int n_parts) {
