@@ -19,7 +19,7 @@
  *
  * Compiled with -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw -mavx512dq (setup.py,
  * LLMLOCAL_AMX_BF16) as qm_attn_tiles, and without AMX as qm_attn_bf16 (attn_bf16.c: CPUs with
- * AVX512-BF16 and no tiles, Zen 4 and 5), the tile registers then emulated below. */
+ * AVX512-BF16 and no tiles, Zen 4 and 5), the products then made by vdpbf16ps from the same layouts. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdatomic.h>
