@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compare", choices=sorted(SWITCHES), default="projections",
-                    help="the projections (tiles against int8 kernels) or the attention (tiles against float32)")
+                    help="the projections (tiles against int8 kernels) or the attention (native kernel against float32)")
     args = ap.parse_args(argv)
     if args.compare == "projections" and not runtime.qmat_tiles():
         print("This CPU has no AMX-BF16 tiles (or LLMLOCAL_QMAT_TILES=0): prompt rows take the int8 kernels only.")
