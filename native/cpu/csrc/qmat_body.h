@@ -1461,13 +1461,21 @@ AI void chunk_pass1(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
 #define DECODE_PASS(H, b0, BB, pf) half_pass(m, a, chunk, row + 16 * (H), H, b0, BB, NULL, NULL, ybuf, BITS, KIND, 1, pf)
 #endif
 
+/* The 256-bit passes (AVX2, AVX-VNNI) prefetch their codes AHEAD_256 times as far ahead as
+ * si4_prefetch_ahead says (6 KB of 4-bit codes, 12 groups' tiles). On two Zen 5 threads held to
+ * AVX2, a layer of the 1.5B's shapes, Q4_K against 1x: 1.06x at one row, 1.17x / 1.27x / 1.32x
+ * at 2 / 3 / 4 rows (one thread: 1.30x / 1.30x / 1.40x at 1 / 2 / 4 rows); 4x and 16x are
+ * within a few percent of 8x, and from 16 rows on nothing changes (a group's tile serves so many
+ * rows that the stream moves slowly enough for the hardware's own prefetcher). */
+enum { AHEAD_256 = 8 };
+
 /* Rows [row0, row1) of W over all of its groups (calls are split by rows: g0 = 0, g1 = K / group).
  * IL 0: the column layout, prefill only (more than SI4_MAX_BATCH rows of x, every column in its
  * slot), its quads from the columns' runs: the same sums, the same floats. */
 AI void kernel_il(const qm_matrix *m, const qm_acts *a, int row0, int row1, float *ybuf, const int BITS, const int KIND,
                   const int IL) {
     const int B = a->batch;
-    const int pf0 = IL ? si4_prefetch_ahead * BITS / 4 * 4 : 0;
+    const int pf0 = IL ? si4_prefetch_ahead * BITS / 4 * 4 * (QM_ZMM ? 1 : AHEAD_256) : 0;
     /* prefill, and on 256-bit registers any call of more than one pass: every row's sums in
      * memory, groups outer, each group's codes unpacked once for all passes (a decode pass
      * holds its rows' sums in registers over all of K, and 5-8 rows took two such passes,
