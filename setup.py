@@ -111,7 +111,7 @@ def cpu_kernels_extension() -> Extension:
         "llmlocal.native.cpu._kernels",
         sources=[f"{CSRC}/{name}" for name in ("module.c", "decode_stack.c", "int8_gemv.c", "pool.c", "dispatch.c", "isa_scalar.c", "qmat_scalar.c")],
         include_dirs=[CSRC],
-        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h", "vexp.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0], TILES_SOURCE[0], ATTN_TILES_SOURCE, ATTN_BF16_SOURCE[0]],
+        depends=[f"{CSRC}/{h}" for h in ("sparse_int4.h", "qmat.h", "qmat_body.h", "binding.h", "kernel_body.h", "prep_body.h", "int8_body.h", "attn_body.h", "vexp.h", "glu_body.h")] + list(ISA_SOURCES) + [AMX_SOURCE[0], TILES_SOURCE[0], ATTN_TILES_SOURCE, ATTN_BF16_SOURCE[0]],
         extra_compile_args=["-std=c11", "-O3", "-pthread", "-fvisibility=hidden"],
         extra_link_args=["-pthread"],
         libraries=["m"],

@@ -18,9 +18,13 @@ Hugging Face (and qwen2) q/k rows into it (see `Rotary`).
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmlocal.native.cpu import runtime
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
@@ -80,6 +84,25 @@ def head_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_GLU_IDS = {"silu": 0, "gelu_tanh": 1}  # kernels().glu's, as the native decode step's
+
+
+@cache
+def _native_glu() -> bool:
+    return runtime.built()
+
+
+def gated(gate_up: torch.Tensor, d_ffn: int, activation: str) -> torch.Tensor:
+    """act(gate) * up of gate_up (N, 2 d_ffn: gate, then up). On the CPU one native pass on the
+    kernels' threads (`kernels().glu`, the function the native decode step and the fused GGUF
+    projection run, so prompt and decode rows compute it alike); elsewhere torch."""
+    n = gate_up.shape[0]
+    if n and gate_up.device.type == "cpu" and gate_up.dtype is torch.float32 and gate_up.is_contiguous() and _native_glu():
+        out = torch.empty(n, d_ffn)
+        runtime.kernels().glu(gate_up.data_ptr(), out.data_ptr(), n, d_ffn, _GLU_IDS[activation])
+        return out
+    gate, up = gate_up.split(d_ffn, dim=-1)
+    return _ACTIVATIONS[activation](gate) * up
 
 
 # a decoder layer's projections, by attribute
@@ -108,7 +131,6 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.scale
         self.window = cfg.window(index)
         self.local = cfg.local_rope(index)  # rotates with the windowed layers' RoPE table
-        self.act = _ACTIVATIONS[cfg.activation]
         self.activation = cfg.activation
         self.attn_norm, self.qkv, self.o_proj = attn_norm, qkv, o_proj
         self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
@@ -137,9 +159,15 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)  # (N, H, D)
         a = self.o_proj(attn.reshape(n, self.n_heads * hd))
         h = h + (a if self.post_attn_norm is None else self.post_attn_norm(a))
-        gate, up = self.gate_up(self.mlp_norm(h)).split(self.d_ffn, dim=-1)
-        m = self.down(self.act(gate) * up)
+        m = self.down(self._gated(self.mlp_norm(h)))
         return h + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of the MLP's input x (N, d): by the kernels of a fused GGUF projection
+        where they make it (`QuantProjection.gated`), else from the projection's (N, 2 F)."""
+        fused = getattr(self.gate_up, "gated", None)
+        y = fused(x, _GLU_IDS[self.activation]) if fused is not None else None
+        return y if y is not None else gated(self.gate_up(x), self.d_ffn, self.activation)
 
 
 class LlamaModel(nn.Module):

@@ -109,6 +109,22 @@ class QuantProjection(SparseInt4Projection):
         self.seconds = 0.0
         self.bytes_read = 0
 
+    def gated(self, x: torch.Tensor, activation: int) -> torch.Tensor | None:
+        """act(gate x) * (up x) of a fused gate/up projection, made by the kernels
+        (`QuantLinear.gated`), or None where they do not make it (a threshold, a bias, halves of
+        different types, tiles): the caller projects and applies the activation itself."""
+        if self.threshold or self.bias is not None or x.dim() != 2 or x.dtype != torch.float32:
+            return None
+        start = time.perf_counter() if self.timed else 0.0
+        y = self.kernel.gated(x.contiguous(), activation)  # type: ignore[attr-defined]
+        if y is None:
+            return None
+        if self.timed:
+            self.seconds += time.perf_counter() - start
+            self.bytes_read += self.kernel.weight_bytes() * self.kernel.columns_read // self.in_features
+        self.total += x.shape[0] * self.in_features * self.out_features
+        return y
+
 
 class ThresholdedLinear(_Counted):
     """Any linear layer with its input thresholded in torch: the same numbers as the kernels,

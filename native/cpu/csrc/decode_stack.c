@@ -383,6 +383,7 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
     const si4_attend_fn attend = si4_attend_for(si4_current_isa());
     const si4_f16_store_fn store_f16 = si4_f16_store_for(si4_current_isa());
     const si4_q8_store_fn store_q8 = si4_q8_store_for(si4_current_isa());
+    const si4_glu_fn glu = si4_glu_for(si4_current_isa());
     for (int l = 0; l < s->n_layers; l++) {
         const proj_t *m = s->proj + (size_t)l * N_PROJ;
         const float *t = thresholds + (size_t)l * N_PROJ;
@@ -450,13 +451,7 @@ static int stack_step(StackObject *s, int batch, float *h, const float *cis, con
         for (int b = 0; b < batch; b++) {
             const float *gu = s->gu + (size_t)b * 2 * ffn;
             float *act = s->act + (size_t)b * ffn;
-            if (s->activation == 1) /* gelu, tanh approximation (Gemma's gelu_pytorch_tanh) */
-                for (int i = 0; i < ffn; i++) {
-                    const float g = gu[i];
-                    act[i] = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * gu[ffn + i];
-                }
-            else
-                for (int i = 0; i < ffn; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[ffn + i];
+            glu(gu, gu + ffn, act, ffn, s->activation); /* as prompt rows compute it (kernels().glu) */
         }
         GEMV(P_DOWN, s->act, s->out, d);
         if (pfn)

@@ -84,6 +84,15 @@ si4_q8_store_fn si4_q8_store_for(int isa) {
     return si4_q8_store_scalar;
 }
 
+si4_glu_fn si4_glu_for(int isa) {
+#ifdef LLMLOCAL_X86_VARIANTS
+    if (isa == SI4_ISA_AVX512) return si4_glu_avx512;
+    if (isa == SI4_ISA_AVX2) return si4_glu_avx2;
+#endif
+    (void)isa;
+    return si4_glu_scalar;
+}
+
 const char *si4_isa_name(int isa) {
     switch (isa) {
     case SI4_ISA_AVX512: return "avx512";

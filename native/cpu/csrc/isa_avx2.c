@@ -134,3 +134,9 @@ void si8_kernel_avx2(const int8_t *w, const float *scale, int k, const si8_acts 
         }
     }
 }
+
+#define V_ABS(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x))
+#define V_DIV(a, b) _mm256_div_ps((a), (b))
+#define V_SELECT_NEG(a, x, y) _mm256_blendv_ps((y), (x), (a)) /* by a's sign bit */
+#define GLU_NAME si4_glu_avx2
+#include "glu_body.h"

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <string.h>
 
 typedef __m512 vf;
 #define VW 16
@@ -137,3 +138,9 @@ VNNI void si8_kernel_avx512vnni(const int8_t *w, const float *scale, int k, cons
         }
     }
 }
+
+#define V_ABS(x) _mm512_abs_ps(x)
+#define V_DIV(a, b) _mm512_div_ps((a), (b))
+#define V_SELECT_NEG(a, x, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((a), _mm512_setzero_ps(), _CMP_LT_OQ), (y), (x))
+#define GLU_NAME si4_glu_avx512
+#include "glu_body.h"

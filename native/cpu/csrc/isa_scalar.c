@@ -1,5 +1,6 @@
 /* Portable variant: plain C, compiled for the architecture's baseline (any x86-64, ARM, ...).
  * A "vector" is one float; the compiler may still vectorise with the baseline instructions. */
+#include <math.h>
 #include <string.h>
 
 #include "sparse_int4.h"
@@ -89,3 +90,9 @@ static inline uint16_t float_to_half(float f) {
 
 #define I8_NAME si8_kernel_scalar
 #include "int8_body.h"
+
+#define V_ABS(x) fabsf(x)
+#define V_DIV(a, b) ((a) / (b))
+#define V_SELECT_NEG(a, x, y) ((a) < 0 ? (x) : (y))
+#define GLU_NAME si4_glu_scalar
+#include "glu_body.h"

@@ -120,6 +120,10 @@ typedef struct {
     size_t y_stride;
     int n_pieces;
     int by_groups;
+    /* gated: W is [gate; up], f rows each, and y (batch, f) = act(gate x) * (up x), activation
+     * glu - 1 (glu_body.h), made as each piece's rows of both halves are done */
+    int glu, f;
+    si4_glu_fn glu_fn;
     int gbound[MAX_GROUP_PIECES + 1];
     atomic_int next;   /* the next piece to take */
 } job_t;
@@ -131,6 +135,17 @@ static void copy_out(const job_t *j, int r0, int r1) {
                sizeof(float) * (size_t)(rn - r0));
 }
 
+/* The rows pieces split: W's, or with glu its gate half's (each piece also makes the same rows of up). */
+static int job_rows(const job_t *j) { return j->glu ? j->f : j->m->npad; }
+
+/* y's rows [r0, r1) = act(gate) * up from the two halves' products in ybuf. */
+static void glu_out(const job_t *j, int r0, int r1) {
+    for (int b = 0; b < j->batch; b++) {
+        const float *g = j->ybuf + (size_t)b * j->m->npad;
+        j->glu_fn(g + r0, g + j->f + r0, j->y + (size_t)b * j->y_stride + r0, r1 - r0, j->glu - 1);
+    }
+}
+
 static void run_kernel(const job_t *j, int r0, int r1, int g0, int g1, float *ybuf) {
     if (j->qm) j->qkernel(j->qm, j->qa, r0, r1, g0, g1, ybuf);
     else j->kernel(j->m, j->a, r0, r1, g0, g1, ybuf);
@@ -139,7 +154,7 @@ static void run_kernel(const job_t *j, int r0, int r1, int g0, int g1, float *yb
 static void run_part(void *arg, int part, int n_parts) {
     (void)part, (void)n_parts;
     job_t *j = arg;
-    const int npad = j->m->npad, units = (npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
+    const int npad = job_rows(j), units = (npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
     for (int c; (c = atomic_fetch_add(&j->next, 1)) < j->n_pieces;) {
         if (j->by_groups) {
             run_kernel(j, 0, npad, j->gbound[c], j->gbound[c + 1], j->ybuf + (size_t)c * j->batch * npad);
@@ -149,7 +164,12 @@ static void run_part(void *arg, int part, int n_parts) {
         const int r0 = u0 * SI4_UNIT_ROWS, r1 = u1 * SI4_UNIT_ROWS < npad ? u1 * SI4_UNIT_ROWS : npad;
         if (r0 >= r1) continue;
         run_kernel(j, r0, r1, 0, j->n_groups, j->ybuf);
-        copy_out(j, r0, r1);
+        if (!j->glu) {
+            copy_out(j, r0, r1);
+            continue;
+        }
+        run_kernel(j, j->f + r0, j->f + r1, 0, j->n_groups, j->ybuf);
+        glu_out(j, r0, r1);
     }
 }
 
@@ -169,11 +189,11 @@ static void sum_pieces(const job_t *j) {
 
 /* Splits the job between `parts` threads (see job_t); ybuf must hold parts * batch * npad. */
 static void plan_job(job_t *j, int parts) {
-    const int units = (j->m->npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
+    const int units = (job_rows(j) + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
     const int G = j->n_groups;
     /* the interleaved layout (and the column layout's prefill) sums a row over all of K at once:
      * always by rows */
-    j->by_groups = parts > 1 && parts <= MAX_GROUP_PIECES && parts <= G &&
+    j->by_groups = !j->glu && parts > 1 && parts <= MAX_GROUP_PIECES && parts <= G &&
                    !(j->qm && (j->qm->interleaved || j->batch > SI4_MAX_BATCH)) &&
                    (g_split_mode == 1 || (g_split_mode == 2 && G >= 32 * parts));
     if (j->by_groups) {
@@ -202,7 +222,7 @@ static void plan_job(job_t *j, int parts) {
 /* The thread count for `bytes` of weight data, and the job split between them. */
 static void share_out(job_t *job, size_t bytes) {
     int parts = (int)(bytes / (g_min_part_bytes ? g_min_part_bytes : 1));
-    const int units = (job->m->npad + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
+    const int units = (job_rows(job) + SI4_UNIT_ROWS - 1) / SI4_UNIT_ROWS;
     if (parts > units) parts = units;
     if (parts < 1) parts = 1;
     if (parts > si4_pool_size()) parts = si4_pool_size();
@@ -215,7 +235,7 @@ static void share_out(job_t *job, size_t bytes) {
 
 /* y = W x' for a QMatrix: x quantized per 32 inputs (qmat.h). */
 static int qm_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stride, int batch, float *py,
-                          size_t y_stride, float threshold, int dense, int32_t *pcnt) {
+                          size_t y_stride, float threshold, int dense, int32_t *pcnt, int glu) {
     const qm_matrix *q = &mo->q;
     const int G = q->k / q->group;
     const size_t slots = (size_t)q->k + 4 * (size_t)G, nq = (size_t)q->k / QM_QBLOCK;
@@ -233,7 +253,8 @@ static int qm_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stri
     qm_acts a = {.batch = batch, .n_groups = G, .n_slots = n_slots, .cols = S.cols, .goff = S.goff, .qx = S.qx,
                  .qx_stride = slots, .dx = S.dx, .dx_stride = nq, .xs = S.xs};
     job_t job = {.m = &mo->m, .qm = q, .qa = &a, .qkernel = g_qkernel, .batch = batch, .n_groups = G, .goff = S.goff,
-                 .ybuf = S.ybuf, .y = py, .y_stride = y_stride};
+                 .ybuf = S.ybuf, .y = py, .y_stride = y_stride, .glu = glu, .f = mo->m.n / 2};
+    if (glu) job.glu_fn = si4_glu_for(g_isa);
     /* threads by one row's bytes: a row's sums are split, so rounded, the same in any batch;
      * the column layout's groups cost work however few of their columns are kept */
     const size_t work = (size_t)n_kept + (q->interleaved ? 0 : (size_t)QM_GROUP_SLOTS * (size_t)G);
@@ -245,7 +266,7 @@ static int qm_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stri
  * of memory. The caller holds si4_call_lock. */
 int si4_gemv_locked(const MatrixObject *mo, const float *px, size_t x_stride, int batch, float *py, size_t y_stride,
                     float threshold, int dense, int32_t *pcnt) {
-    if (mo->quant) return qm_gemv_locked(mo, px, x_stride, batch, py, y_stride, threshold, dense, pcnt);
+    if (mo->quant) return qm_gemv_locked(mo, px, x_stride, batch, py, y_stride, threshold, dense, pcnt, 0);
     const si4_matrix *m = &mo->m;
     const int G = m->k / m->group;
     if (grow((void **)&S.cols, &S.cols_n, m->k, 4) || grow((void **)&S.goff, &S.goff_n, G + 1, 4) ||
@@ -389,6 +410,49 @@ static PyObject *Matrix_gemv(MatrixObject *self, PyObject *const *args, Py_ssize
     return PyLong_FromLong(n_kept);
 }
 
+/* gemv_glu(x, y, batch, x_stride, y_stride, activation): y (batch, f) = act(gate x) * (up x) for a
+ * quantized matrix in the interleaved layout whose rows are [gate; up], f each (f a multiple of
+ * 32): the gated MLP's activation made as the threads finish their rows of both halves, so the
+ * (batch, 2 f) product is never written out. Every column, activation 0 silu, 1 gelu-tanh. */
+static PyObject *Matrix_gemv_glu(MatrixObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "gemv_glu(x, y, batch, x_stride, y_stride, activation)");
+        return NULL;
+    }
+    const si4_matrix *m = &self->m;
+    const long batch = PyLong_AsLong(args[2]), activation = PyLong_AsLong(args[5]);
+    const Py_ssize_t xs_ = PyLong_AsSsize_t(args[3]), ys_ = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (!self->quant || !self->q.interleaved || m->n % 64) {
+        PyErr_SetString(PyExc_ValueError, "gemv_glu needs a quantized matrix in the interleaved layout of 2 f rows, f a multiple of 32");
+        return NULL;
+    }
+    const int f = m->n / 2;
+    if (batch < 1 || batch > QM_MAX_BATCH || xs_ < m->k || ys_ < f || (activation != 0 && activation != 1)) {
+        PyErr_Format(PyExc_ValueError, "gemv_glu: batch %ld must be 1..%d, x_stride >= %d, y_stride >= %d, activation 0 or 1",
+                     batch, QM_MAX_BATCH, m->k, f);
+        return NULL;
+    }
+    const size_t x_stride = (size_t)xs_, y_stride = (size_t)ys_;
+    Py_buffer vx, vy;
+    void *px, *py;
+    if (get_ptr(args[0], &vx, 0, sizeof(float) * (x_stride * (batch - 1) + m->k), 'f', &px, "x") < 0) return NULL;
+    if (get_ptr(args[1], &vy, 1, sizeof(float) * (y_stride * (batch - 1) + f), 'f', &py, "y") < 0) {
+        release(&vx);
+        return NULL;
+    }
+    int n_kept;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&si4_call_lock);
+    n_kept = qm_gemv_locked(self, px, x_stride, (int)batch, py, y_stride, 0.0f, 1, NULL, 1 + (int)activation);
+    pthread_mutex_unlock(&si4_call_lock);
+    Py_END_ALLOW_THREADS
+    release(&vx);
+    release(&vy);
+    if (n_kept < 0) return PyErr_NoMemory();
+    return PyLong_FromLong(n_kept);
+}
+
 #define DEQUANT_PIECE 16 /* columns */
 
 typedef struct {
@@ -501,6 +565,8 @@ static PyObject *Matrix_get_shape(MatrixObject *self, void *closure) {
 static PyMethodDef Matrix_methods[] = {
     {"gemv", (PyCFunction)(void (*)(void))Matrix_gemv, METH_FASTCALL,
      "gemv(x, y, batch, x_stride, y_stride, threshold, dense, counts) -> columns kept"},
+    {"gemv_glu", (PyCFunction)(void (*)(void))Matrix_gemv_glu, METH_FASTCALL,
+     "gemv_glu(x, y, batch, x_stride, y_stride, activation): y = act(gate x) * (up x) for W = [gate; up]"},
     {"dequantize", (PyCFunction)(void (*)(void))Matrix_dequantize, METH_FASTCALL,
      "dequantize(out, row0, row1, out_stride): rows [row0, row1) of W, transposed, into out (k, out_stride)"},
 #ifdef LLMLOCAL_AMX_BF16
@@ -851,6 +917,64 @@ static PyObject *py_attn_tiles(PyObject *mod, PyObject *const *args, Py_ssize_t 
 }
 #endif
 
+/* glu(gate_up, out, n, ffn, activation): out (n, ffn) = act(gate) * up for the rows of gate_up
+ * (n, 2 ffn: gate, then up), float32, contiguous (buffers or addresses); activation 0 silu, 1
+ * gelu-tanh (glu_body.h). One pass over the rows on the pool, in pieces of whole vectors, so
+ * a value's result does not depend on the split. */
+typedef struct {
+    const float *gu;
+    float *out;
+    long n, ffn, piece, pieces;
+    int activation;
+    si4_glu_fn fn;
+    atomic_long next;
+} glu_job;
+
+/* pieces handed out in turn (the pool skips a part whose thread has not started) */
+static void run_glu(void *arg, int part, int n_parts) {
+    (void)part, (void)n_parts;
+    glu_job *j = arg;
+    const long per_row = (j->ffn + j->piece - 1) / j->piece;
+    for (long p; (p = atomic_fetch_add(&j->next, 1)) < j->pieces;) {
+        const long r = p / per_row, c0 = p % per_row * j->piece, c1 = c0 + j->piece < j->ffn ? c0 + j->piece : j->ffn;
+        const float *g = j->gu + (size_t)r * 2 * j->ffn;
+        j->fn(g + c0, g + j->ffn + c0, j->out + (size_t)r * j->ffn + c0, (int)(c1 - c0), j->activation);
+    }
+}
+
+static PyObject *py_glu(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "glu(gate_up, out, n, ffn, activation)");
+        return NULL;
+    }
+    const long n = PyLong_AsLong(args[2]), ffn = PyLong_AsLong(args[3]), activation = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 1 || ffn < 1 || ffn > (1L << 24) || n > (1L << 24) || (activation != 0 && activation != 1)) {
+        PyErr_Format(PyExc_ValueError, "glu: n %ld and ffn %ld (1 .. 2^24), activation %ld (0 silu, 1 gelu-tanh)", n, ffn, activation);
+        return NULL;
+    }
+    Py_buffer vg, vo;
+    void *pg, *po;
+    if (get_ptr(args[0], &vg, 0, (size_t)n * (size_t)ffn * 8, 'f', &pg, "gate_up") < 0) return NULL;
+    if (get_ptr(args[1], &vo, 1, (size_t)n * (size_t)ffn * 4, 'f', &po, "out") < 0) {
+        release(&vg);
+        return NULL;
+    }
+    glu_job job = {.gu = pg, .out = po, .n = n, .ffn = ffn, .piece = 2048, .activation = (int)activation};
+    job.pieces = n * ((ffn + job.piece - 1) / job.piece);
+    atomic_init(&job.next, 0);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&si4_call_lock);
+    job.fn = si4_glu_for(g_isa);
+    const int parts = job.pieces < si4_pool_size() ? (int)job.pieces : si4_pool_size();
+    si4_pool_run(run_glu, &job, parts);
+    pthread_mutex_unlock(&si4_call_lock);
+    Py_END_ALLOW_THREADS
+    release(&vg), release(&vo);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_set_qmat_tiles(PyObject *mod, PyObject *arg) {
     (void)mod;
     const int on = PyObject_IsTrue(arg);
@@ -1155,6 +1279,8 @@ static PyMethodDef module_methods[] = {
     {"attn_tiles", (PyCFunction)(void (*)(void))py_attn_tiles, METH_FASTCALL,
      "attn_tiles(q, k, v, out, T, H, L, Hkv, D, start, window, scale): a prompt chunk's causal attention (attn_kernel)"},
 #endif
+    {"glu", (PyCFunction)(void (*)(void))py_glu, METH_FASTCALL,
+     "glu(gate_up, out, n, ffn, activation): out (n, ffn) = act(gate) * up, activation 0 silu, 1 gelu-tanh"},
     {"set_qmat_tiles", py_set_qmat_tiles, METH_O, "set_qmat_tiles(on): let prompt rows run through AMX-BF16 tiles where the CPU has them (default on)."},
     {"best_isa", py_best_isa, METH_NOARGS, "The best ISA this CPU and build support."},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads per GEMV, the caller included."},

@@ -127,7 +127,12 @@ typedef void (*si4_f16_store_fn)(uint16_t *dst, const float *src, int n);
 void si4_f16_store_scalar(uint16_t *dst, const float *src, int n);
 typedef void (*si4_q8_store_fn)(int8_t *dst, const float *src, int n_heads, int hd);
 void si4_q8_store_scalar(int8_t *dst, const float *src, int n_heads, int hd);
+/* out[i] = act(gate[i]) * up[i], i < n; activation 0 silu, 1 gelu-tanh (glu_body.h) */
+typedef void (*si4_glu_fn)(const float *gate, const float *up, float *out, int n, int activation);
+void si4_glu_scalar(const float *gate, const float *up, float *out, int n, int activation);
 #ifdef LLMLOCAL_X86_VARIANTS
+void si4_glu_avx2(const float *gate, const float *up, float *out, int n, int activation);
+void si4_glu_avx512(const float *gate, const float *up, float *out, int n, int activation);
 void si4_attend_avx2(const si4_attn_unit *u);
 void si4_attend_avx512(const si4_attn_unit *u);
 void si4_f16_store_avx2(uint16_t *dst, const float *src, int n);
@@ -145,6 +150,7 @@ si8_kernel_fn si8_kernel_for(int isa);
 si4_attend_fn si4_attend_for(int isa);
 si4_f16_store_fn si4_f16_store_for(int isa);
 si4_q8_store_fn si4_q8_store_for(int isa);
+si4_glu_fn si4_glu_for(int isa);
 si4_dequant_fn si4_dequant_for(int isa);
 const char *si4_isa_name(int isa);
 
