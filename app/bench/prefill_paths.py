@@ -4,15 +4,18 @@ kernels alone, on the same weights and the same memory (a benchmark: it prints).
 
     python -m llmlocal.app.bench.prefill_paths --model FILE.gguf --prompt-tokens 1000 --rounds 3
     python -m llmlocal.app.bench.prefill_paths --model FILE.gguf --prompt-tokens 4000 --compare attention
+    python -m llmlocal.app.bench.prefill_paths --model FILE.gguf --compare activation
 
 ``--compare projections`` (the default): prompt rows through the AMX-BF16 tiles against the
 int8 kernels (`runtime.set_qmat_tiles`), attention following them. ``--compare attention``:
 the projections as this CPU runs them both times, the prompt's attention in the native kernel
 (`kernels().attn_kernel()`: the tiles, AVX512-BF16 or float32 on AVX2) against torch's float32
-attention (`runtime.set_attn_tiles`).
+attention (`runtime.set_attn_tiles`). ``--compare activation``: the MLP's act(gate) * up made by
+the fused gate/up projection (`QuantLinear.gated`) against the projection's (N, 2F) product and
+a native pass over it (`DecoderLayer.fuse_gated`).
 
 Prints each round's time to first token per path and the median of the per-round ratios
-(above 1, the tiles or the native attention are faster). Where the CPU has no such path it
+(above 1, the tiles, the native attention or the fused activation are faster). Where the CPU has no such path it
 says so.
 """
 
@@ -23,11 +26,16 @@ import statistics
 import sys
 
 from llmlocal.engine import Engine, Plan
+from llmlocal.engine.model.llama import DecoderLayer
 from llmlocal.native.cpu import runtime
 
 from .scenarios import _prompt, _run
 
-SWITCHES = {"projections": runtime.set_qmat_tiles, "attention": runtime.set_attn_tiles}
+def _fuse_gated(on: bool) -> None:
+    DecoderLayer.fuse_gated = on
+
+
+SWITCHES = {"projections": runtime.set_qmat_tiles, "attention": runtime.set_attn_tiles, "activation": _fuse_gated}
 
 
 def compare(model: str, prompt_tokens: int, rounds: int, what: str = "projections") -> dict[str, list[float]]:
@@ -54,7 +62,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compare", choices=sorted(SWITCHES), default="projections",
-                    help="the projections (tiles against int8 kernels) or the attention (native kernel against float32)")
+                    help="the projections (tiles against int8 kernels), the attention (native kernel against float32) "
+                         "or the MLP's activation (fused into the gate/up projection against a pass over its product)")
     args = ap.parse_args(argv)
     if args.compare == "projections" and not runtime.qmat_tiles():
         print("This CPU has no AMX-BF16 tiles (or LLMLOCAL_QMAT_TILES=0): prompt rows take the int8 kernels only.")
@@ -63,7 +72,8 @@ def main(argv: list[str]) -> int:
         print("This CPU has no native prompt attention (the scalar path, or AMX-BF16 tiles switched off): torch's only.")
         return 2
     ttft = compare(args.model, args.prompt_tokens, args.rounds, args.compare)
-    ours, other = ("tiles", "int8") if args.compare == "projections" else (runtime.kernels().attn_kernel(), "float32")
+    ours, other = {"projections": ("tiles", "int8"), "attention": (runtime.kernels().attn_kernel(), "float32"),
+                   "activation": ("fused", "a pass")}[args.compare]
     for path, times in ttft.items():
         print(f"{ours if path == 'tiles' else other:>7}: TTFT " + ", ".join(f"{t:.2f} s" for t in times))
     ratios = [b / a for a, b in zip(ttft["tiles"], ttft["other"]) if a]

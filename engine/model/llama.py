@@ -110,6 +110,10 @@ PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 
 
 class DecoderLayer(nn.Module):
+    # act(gate) * up by the fused gate/up projection where its kernels make it (`_gated`); off,
+    # the projection's (N, 2 F) and a pass over it (`bench.prefill_paths --compare activation`)
+    fuse_gated = True
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -165,7 +169,7 @@ class DecoderLayer(nn.Module):
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up of the MLP's input x (N, d): by the kernels of a fused GGUF projection
         where they make it (`QuantProjection.gated`), else from the projection's (N, 2 F)."""
-        fused = getattr(self.gate_up, "gated", None)
+        fused = getattr(self.gate_up, "gated", None) if self.fuse_gated else None
         y = fused(x, _GLU_IDS[self.activation]) if fused is not None else None
         return y if y is not None else gated(self.gate_up(x), self.d_ffn, self.activation)
 

@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 
 PAGED_HEAP_CHUNKS = 5  # heap kept after loading, in units of the largest projection's codes
 PAGED_ACT_PER_TOKEN = 38  # bytes per (chunk token x (d + ffn)) of a prefill step, fp32
+# The same on the CPU's int8 kernels, per chunk token x d and x ffn: the MLP's activation is made
+# inside the gate/up projection, its (chunk, 2 ffn) product never written (2026-11-29: the
+# starter's peak at 512 fell from 175-207 MiB to 154-156), so d-sized buffers weigh most.
+# Fitted on the starter, the 0.5B and the 1.5B at 512 and 2,048 (memory_check).
+PAGED_ACT_PER_D_CPU, PAGED_ACT_PER_FFN_CPU = 80, 4
 PAGED_ACT_PER_TOKEN_INT4 = 56  # the same through the INT4 kernels (fitted: 46 on a 1B of Q4_0, 47-62 on the starter:
 # its serving peak at 512 varies 175-207 MiB between runs, and the planner covers that range)
 PAGED_LOAD_EXTRA = 25 * MIB  # the loader's other transients
@@ -196,8 +201,11 @@ def _paged(spec: ModelSpec, plan: Plan, device: str, draft: ModelSpec | None) ->
     chunk = min(plan.max_batch_tokens, n_ctx)
     compute = 0
     for (m, _), w in zip(models, tables):
-        per_token = PAGED_ACT_PER_TOKEN_INT4 if w.loading_anon and not on_gpu else PAGED_ACT_PER_TOKEN
-        layer_act = per_token * chunk * (m.d_model + m.d_ffn)
+        if on_gpu or w.loading_anon:
+            per_token = PAGED_ACT_PER_TOKEN_INT4 if w.loading_anon and not on_gpu else PAGED_ACT_PER_TOKEN
+            layer_act = per_token * chunk * (m.d_model + m.d_ffn)
+        else:
+            layer_act = chunk * (PAGED_ACT_PER_D_CPU * m.d_model + PAGED_ACT_PER_FFN_CPU * m.d_ffn)
         # a prefill chunk at depth n_ctx gathers the context's K and V (and a copy in the run
         # dtype) and hands SDPA a (chunk, n_ctx) mask it turns into floats: no score matrix.
         # On the CPU SDPA reads the kv heads for their query heads (torch 2.5+,
