@@ -72,15 +72,10 @@ class SparseInt4Projection(_Counted):
         x2 = x2.contiguous()
         t = self.threshold if self.threshold else None  # 0 or None: the dense kernel
         kernel = self.kernel
-        if self.timed:
-            start = time.perf_counter()
-            y = kernel(x2, t)
-            self.seconds += time.perf_counter() - start
-            self.bytes_read += kernel.weight_bytes() * kernel.columns_read // self.in_features
-        else:
-            y = kernel(x2, t)
+        start = time.perf_counter() if self.timed else 0.0
+        y = kernel(x2, t)
+        self._count(x2.shape[0], start)
         k, n = self.in_features, self.out_features
-        self.total += x2.shape[0] * k * n
         if t is not None:
             # each row skips the columns it zeroed: with one row (decode) exactly the reads
             # saved; a multi-row chunk reads the union of its rows' columns
@@ -90,6 +85,14 @@ class SparseInt4Projection(_Counted):
         if x.dim() != 2:
             y = y.reshape(*shape[:-1], n)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def _count(self, rows: int, start: float) -> None:
+        """A call of ``rows`` rows begun at ``start`` (timed): the weight asked for, and with
+        ``timed`` the kernel's seconds and the weight bytes it read."""
+        if self.timed:
+            self.seconds += time.perf_counter() - start
+            self.bytes_read += self.kernel.weight_bytes() * self.kernel.columns_read // self.in_features
+        self.total += rows * self.in_features * self.out_features
 
     def weight_bytes(self) -> int:
         return self.kernel.weight_bytes()
@@ -117,12 +120,8 @@ class QuantProjection(SparseInt4Projection):
             return None
         start = time.perf_counter() if self.timed else 0.0
         y = self.kernel.gated(x.contiguous(), activation)  # type: ignore[attr-defined]
-        if y is None:
-            return None
-        if self.timed:
-            self.seconds += time.perf_counter() - start
-            self.bytes_read += self.kernel.weight_bytes() * self.kernel.columns_read // self.in_features
-        self.total += x.shape[0] * self.in_features * self.out_features
+        if y is not None:
+            self._count(x.shape[0], start)
         return y
 
 
