@@ -137,9 +137,11 @@ def bench_spec(
                     runs[f"ngram_batch{batch}"] = _serve(engine, many["ngram"], params)
                 if label == "draft" and separate:  # and a draft model on the summarising prompt
                     runs["summarise_batch1"] = _serve(engine, single["ngram"], params)
-                if label in ("base", "draft") and separate:  # a cold long prompt, new text each time
+                if label in ("base", "draft") and separate:  # a cold long prompt, new text each round
+                    # (the same text for both engines: each has a cache of its own, and texts of
+                    # their own made the figure a comparison of two prompts' replies)
                     short = SamplingParams(temperature=temperature, max_tokens=LONG_REPLY, seed=params.seed)
-                    runs["long_batch1"] = _serve(engine, [_long(2 * r + (label == "draft"))], short)
+                    runs["long_batch1"] = _serve(engine, [_long(r)], short)
                 figures[label] = runs
             per_round.append(figures)
     finally:
