@@ -686,14 +686,15 @@ AI void group_sums_rows_il(const quad_src *p, const int8_t *qx, size_t qs, const
 
 /* One row of x's float update by a group's int32 sums (the same operations on every path),
  * its dx and xs broadcast. Q6_K: `first` is the first group of a block of 32, whose sums wait
- * for the second's. */
-AI void group_update_v(acc8 *s, const fac8 *f, __m256i acc, __m256 dx, __m256 xs, const int KIND, int first) {
+ * for the second's. FM 0: fm is left to superblock_fm (prefill). */
+AI void group_update_fm(acc8 *s, const fac8 *f, __m256i acc, __m256 dx, __m256 xs, const int KIND, int first,
+                        const int FM) {
     if (KIND == KIND_PLAIN) {
         const __m256 t = _mm256_fmadd_ps(f->M, xs, s->y); /* flush's operations */
         s->y = _mm256_fmadd_ps(_mm256_mul_ps(f->D, dx), _mm256_cvtepi32_ps(acc), t);
         return;
     }
-    s->fm = _mm256_fmadd_ps(f->mnf, xs, s->fm);
+    if (FM) s->fm = _mm256_fmadd_ps(f->mnf, xs, s->fm);
     if (KIND == KIND_KQ) { /* a group is a block of 32 */
         const __m256 sums = INT_SCALED(KIND) ? _mm256_cvtepi32_ps(acc) : _mm256_mul_ps(_mm256_cvtepi32_ps(acc), f->wf);
         s->fs = _mm256_fmadd_ps(sums, dx, s->fs);
@@ -702,6 +703,9 @@ AI void group_update_v(acc8 *s, const fac8 *f, __m256i acc, __m256 dx, __m256 xs
     } else {
         s->fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s->blk, acc)), dx, s->fs);
     }
+}
+AI void group_update_v(acc8 *s, const fac8 *f, __m256i acc, __m256 dx, __m256 xs, const int KIND, int first) {
+    group_update_fm(s, f, acc, dx, xs, KIND, first, 1);
 }
 
 AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, const int KIND, int first) {
@@ -712,12 +716,21 @@ AI void group_update(acc8 *s, const fac8 *f, __m256i acc, float dx, float xs, co
  * xs at xs[b], each broadcast straight from memory (passed as floats, GCC kept them on the
  * stack and recomputed every address from the pass's indices). */
 AI void rows_update(acc8 (*s)[2], const fac8 f[2], __m256i acc[NB_MAX][2], const float *dx, size_t dx_stride,
-                    const float *xs, const int BB, const int KIND, int first) {
+                    const float *xs, const int BB, const int KIND, int first, const int FM) {
     for (int b = 0; b < BB; b++) {
         const __m256 dxv = _mm256_broadcast_ss(dx + (size_t)b * dx_stride), xsv = _mm256_broadcast_ss(xs + b);
-        group_update_v(&s[b][0], &f[0], acc[b][0], dxv, xsv, KIND, first);
-        group_update_v(&s[b][1], &f[1], acc[b][1], dxv, xsv, KIND, first);
+        group_update_fm(&s[b][0], &f[0], acc[b][0], dxv, xsv, KIND, first, FM);
+        group_update_fm(&s[b][1], &f[1], acc[b][1], dxv, xsv, KIND, first, FM);
     }
+}
+
+/* A row of x's fm over a super-block's PER_SB groups, from their mins (Q6_K: scales) mn[j] and
+ * its xs (group j's at xs[j * B]), as group_update adds them: from zero, one FMA a group, so the
+ * same floats. */
+AI __m256 superblock_fm(const __m256 *mn, const float *xs, unsigned B, const unsigned PER_SB) {
+    __m256 fm = _mm256_setzero_ps();
+    for (unsigned j = 0; j < PER_SB; j++) fm = _mm256_fmadd_ps(mn[j], _mm256_broadcast_ss(xs + (size_t)j * B), fm);
+    return fm;
 }
 
 /* The super-block's d (and dmin) into y, after its last group. */
@@ -1319,6 +1332,12 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
     const chunk_fac cf = chunk_factors(m, n);
     acc8 reg[NB_MAX][2], (*s)[2] = big ? big : reg;
     uint8_t unpacked[8 * 64] __attribute__((aligned(32))); /* a group's quads of this half (unpack_group) */
+    /* prefill: each row's fm made at the super-block's end from the groups' mins (Q6_K: scales)
+     * kept aside, not loaded and stored in every group's passes: on two Zen 5 threads AVX2's Q6_K
+     * 1.11-1.14x at 8-64 rows, Q4_K 0.99-1.05x, AVX-VNNI's Q4_K 1.02-1.04x; AVX-VNNI's Q6_K
+     * (its sums weighted by vpmulld) ran 0.86-0.90x and keeps the update in the passes */
+    const int FM_LATER = big && !(QM_VNNI && KIND == KIND_Q6);
+    __m256 mn[2][16];
     unsigned R = 0; /* rows of x whose sums the tile multiply makes: whole blocks of 16, in prefill */
 #ifdef QM_AMX
     acc16 *st = tiled;
@@ -1340,6 +1359,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
             const quad_src p = group_quads(m, chunk, n - 16 * h, g, tile_bytes, pf, IL);
             fac8 f[2];
             for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
+            mn[0][j] = f[0].mnf, mn[1][j] = f[1].mnf;
             const int8_t *qx = a->qx + (size_t)g * GROUP;
 #ifdef QM_AMX
             if (R) {
@@ -1370,7 +1390,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
         if (BB_ >= 2) group_sums_rows_il(SRC, qx + (size_t)(C0) * qs, qs, h, BB_, BITS, KIND, IL_, f, acc);     \
         else group_sums_il(SRC, qx + (size_t)(C0) * qs, qs, h, BB_, BITS, KIND, IL_, f, acc);                   \
         rows_update(s + (R0), f, acc, a->dx + (size_t)(C0) * a->dx_stride + qb, a->dx_stride,                   \
-                    a->xs + (size_t)g * B + (C0), BB_, KIND, j % 2 == 0);                                       \
+                    a->xs + (size_t)g * B + (C0), BB_, KIND, j % 2 == 0, !FM_LATER);                            \
     } while (0)
             /* a decode step: one pass, written without prefill's loop (around it GCC unpacked
              * the group's codes ahead, kept them on the stack and loaded them back) */
@@ -1405,7 +1425,11 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
             for (int t = 0; t < 2; t++) {
                 __m256 d, dmin;
                 superblock_scales(&cf, sb, t, KIND, &d, &dmin);
-                for (unsigned b = R; b < NR; b++) superblock_update(&s[b][t], d, dmin, KIND);
+                const float *xs = a->xs + (size_t)sb * PER_SB * B;
+                for (unsigned b = R; b < NR; b++) {
+                    if (FM_LATER) s[b][t].fm = superblock_fm(mn[t], xs + b, B, PER_SB);
+                    superblock_update(&s[b][t], d, dmin, KIND);
+                }
             }
     }
 #ifdef QM_AMX
@@ -1800,7 +1824,7 @@ long long QM_NAME(qm_pass_peak)(long long iters) {
             for (unsigned r0 = 0; r0 < ROWS; r0 += NB_MAX) {
                 __m256i acc[NB_MAX][2];
                 group_sums_rows_il(&u, qx + (size_t)r0 * K + 32 * g, K, 0, 4, 4, KIND_KQ, 2, f, acc);
-                rows_update(s + r0, f, acc, dx + (size_t)r0 * G + g, G, xs + (size_t)g * ROWS + r0, NB_MAX, KIND_KQ, 1);
+                rows_update(s + r0, f, acc, dx + (size_t)r0 * G + g, G, xs + (size_t)g * ROWS + r0, NB_MAX, KIND_KQ, 1, 1);
             }
     volatile float sink = _mm256_cvtss_f32(s[ROWS - 1][1].fs);
     (void)sink;
