@@ -816,7 +816,7 @@ AI fac16 group_factors16(const qm_matrix *m, const chunk_fac *cf, unsigned g, co
 /* group_update (with the VNNI variant's scaling) on 16 rows of W at once: the same operations
  * per element, so the same floats. FM 0: the K-quants' and Q6_K's fm is left to
  * superblocks_update16_fm (chunk_big16). */
-AI void group_update16_fs(acc16 *s, const fac16 *f, __m512i acc, float dx, float xs, const int KIND, int first,
+AI void group_update16_fm(acc16 *s, const fac16 *f, __m512i acc, float dx, float xs, const int KIND, int first,
                           const int FM) {
     if (KIND == KIND_PLAIN) {
         const __m512 t = _mm512_fmadd_ps(f->M, _mm512_set1_ps(xs), s->y);
@@ -836,7 +836,7 @@ AI void group_update16_fs(acc16 *s, const fac16 *f, __m512i acc, float dx, float
     else s->fs = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), f->mnf, s->blk), _mm512_set1_ps(dx), s->fs);
 }
 AI void group_update16(acc16 *s, const fac16 *f, __m512i acc, float dx, float xs, const int KIND, int first) {
-    group_update16_fs(s, f, acc, dx, xs, KIND, first, 1);
+    group_update16_fm(s, f, acc, dx, xs, KIND, first, 1);
 }
 
 AI void superblock_update16(acc16 *s, __m512 d, __m512 dmin, const int KIND) {
@@ -1020,8 +1020,8 @@ AI void chunk_big16(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, 
                 __m512i a0, a1;
                 row_sums16(qx + (size_t)b * qs, W0, W1, NQ, BITS, c0, c1, &a0, &a1);
                 const float dx = a->dx[(size_t)b * a->dx_stride + qb], xs = a->xs[(size_t)g * B + b];
-                group_update16_fs(&s[b], &F0, a0, dx, xs, KIND, j % 2 == 0, 0);
-                group_update16_fs(&s1[b], &F1, a1, dx, xs, KIND, j % 2 == 0, 0);
+                group_update16_fm(&s[b], &F0, a0, dx, xs, KIND, j % 2 == 0, 0);
+                group_update16_fm(&s1[b], &F1, a1, dx, xs, KIND, j % 2 == 0, 0);
             }
             mn[0][j] = F0.mnf, mn[1][j] = F1.mnf;
         }
