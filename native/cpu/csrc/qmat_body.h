@@ -1359,7 +1359,7 @@ AI void half_pass(const qm_matrix *m, const qm_acts *a, const uint8_t *chunk, in
             const quad_src p = group_quads(m, chunk, n - 16 * h, g, tile_bytes, pf, IL);
             fac8 f[2];
             for (int t = 0; t < 2; t++) group_factors(m, &cf, g, t, KIND, &f[t]);
-            mn[0][j] = f[0].mnf, mn[1][j] = f[1].mnf;
+            if (FM_LATER && KIND != KIND_PLAIN) mn[0][j] = f[0].mnf, mn[1][j] = f[1].mnf;
             const int8_t *qx = a->qx + (size_t)g * GROUP;
 #ifdef QM_AMX
             if (R) {
