@@ -54,6 +54,21 @@ def _private_kv_cache() -> None:
 _private_kv_cache()
 
 
+def _ctrl_c_reaches_children() -> None:
+    """Tests press Ctrl-C on the processes they start (`serve`, `quantize`). A suite run as a
+    background job of a non-interactive shell starts with SIGINT ignored, and children inherit an
+    ignored signal across exec: they would never see the interrupt (a server left running, a
+    quantization run to its end). A handler of our own is reset to the default in a child, so the
+    child's Python turns SIGINT into KeyboardInterrupt, as in a terminal."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_ctrl_c_reaches_children()
+
+
 @pytest.fixture(scope="session")
 def starter_path() -> str:
     return resolve().path
