@@ -320,6 +320,18 @@ static void release(Py_buffer *view) {
     if (view->obj) PyBuffer_Release(view);
 }
 
+/* A call's x (batch rows of k floats, x_stride apart, read) and y (batch rows of ny floats,
+ * y_stride apart, written): both views, or -1 with an exception set and neither held. */
+static int get_xy(PyObject *x, PyObject *y, long batch, size_t x_stride, int k, size_t y_stride, int ny, Py_buffer *vx,
+                  Py_buffer *vy, void **px, void **py) {
+    if (get_ptr(x, vx, 0, sizeof(float) * (x_stride * (size_t)(batch - 1) + (size_t)k), 'f', px, "x") < 0) return -1;
+    if (get_ptr(y, vy, 1, sizeof(float) * (y_stride * (size_t)(batch - 1) + (size_t)ny), 'f', py, "y") < 0) {
+        release(vx);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- Matrix */
 
 static void Matrix_dealloc(MatrixObject *self) {
@@ -386,11 +398,7 @@ static PyObject *Matrix_gemv(MatrixObject *self, PyObject *const *args, Py_ssize
     Py_buffer vx, vy, vc;
     void *px, *py, *pcnt = NULL;
     vc.obj = NULL;
-    if (get_ptr(args[0], &vx, 0, sizeof(float) * (x_stride * (batch - 1) + m->k), 'f', &px, "x") < 0) return NULL;
-    if (get_ptr(args[1], &vy, 1, sizeof(float) * (y_stride * (batch - 1) + m->n), 'f', &py, "y") < 0) {
-        release(&vx);
-        return NULL;
-    }
+    if (get_xy(args[0], args[1], batch, x_stride, m->k, y_stride, m->n, &vx, &vy, &px, &py) < 0) return NULL;
     if (args[7] != Py_None && get_ptr(args[7], &vc, 1, sizeof(int32_t) * batch, 'i', &pcnt, "counts") < 0) {
         release(&vx);
         release(&vy);
@@ -436,11 +444,7 @@ static PyObject *Matrix_gemv_glu(MatrixObject *self, PyObject *const *args, Py_s
     const size_t x_stride = (size_t)xs_, y_stride = (size_t)ys_;
     Py_buffer vx, vy;
     void *px, *py;
-    if (get_ptr(args[0], &vx, 0, sizeof(float) * (x_stride * (batch - 1) + m->k), 'f', &px, "x") < 0) return NULL;
-    if (get_ptr(args[1], &vy, 1, sizeof(float) * (y_stride * (batch - 1) + f), 'f', &py, "y") < 0) {
-        release(&vx);
-        return NULL;
-    }
+    if (get_xy(args[0], args[1], batch, x_stride, m->k, y_stride, f, &vx, &vy, &px, &py) < 0) return NULL;
     int n_kept;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&si4_call_lock);
@@ -537,11 +541,7 @@ static PyObject *Matrix_tiles(MatrixObject *self, PyObject *const *args, Py_ssiz
     const size_t x_stride = (size_t)xs_, y_stride = (size_t)ys_;
     Py_buffer vx, vy;
     void *px, *py;
-    if (get_ptr(args[0], &vx, 0, sizeof(float) * (x_stride * (batch - 1) + q->k), 'f', &px, "x") < 0) return NULL;
-    if (get_ptr(args[1], &vy, 1, sizeof(float) * (y_stride * (batch - 1) + q->n), 'f', &py, "y") < 0) {
-        release(&vx);
-        return NULL;
-    }
+    if (get_xy(args[0], args[1], batch, x_stride, q->k, y_stride, q->n, &vx, &vy, &px, &py) < 0) return NULL;
     long kept;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&si4_call_lock);
@@ -736,11 +736,7 @@ static PyObject *Int8Matrix_gemv(Int8MatrixObject *self, PyObject *const *args, 
     const size_t x_stride = (size_t)xs_, y_stride = (size_t)ys_;
     Py_buffer vx, vy;
     void *px, *py;
-    if (get_ptr(args[0], &vx, 0, sizeof(float) * (x_stride * (batch - 1) + self->k), 'f', &px, "x") < 0) return NULL;
-    if (get_ptr(args[1], &vy, 1, sizeof(float) * (y_stride * (batch - 1) + self->n), 'f', &py, "y") < 0) {
-        release(&vx);
-        return NULL;
-    }
+    if (get_xy(args[0], args[1], batch, x_stride, self->k, y_stride, self->n, &vx, &vy, &px, &py) < 0) return NULL;
     /* enough weight bytes per thread to pay for the hand-off */
     const size_t bytes = (size_t)self->n * self->k;
     const size_t parts = bytes / (g_min_part_bytes ? g_min_part_bytes : 1);
