@@ -57,9 +57,16 @@ def block_key(parent_key: int, token_ids: list[int]) -> int:
 def prefix_blocks(token_ids: list[int], block_size: int, root_key: int = ROOT_KEY) -> list[tuple[int, list[int]]]:
     """(key, tokens) of each full block a sequence of ``token_ids`` may find cached: every
     block before the one holding the last token (see `BlockManager._find_hits`)."""
+    return chained_blocks(token_ids, block_size, (len(token_ids) - 1) // block_size, root_key)
+
+
+def chained_blocks(token_ids: list[int], block_size: int, count: int,
+                   root_key: int = ROOT_KEY) -> list[tuple[int, list[int]]]:
+    """(key, tokens) of the first ``count`` blocks of ``token_ids``, each key chained from the
+    one before (``count`` at most the full blocks there are)."""
     out: list[tuple[int, list[int]]] = []
     key = root_key
-    for i in range((len(token_ids) - 1) // block_size):
+    for i in range(count):
         tokens = token_ids[i * block_size : (i + 1) * block_size]
         key = block_key(key, tokens)
         out.append((key, tokens))
@@ -217,6 +224,15 @@ class BlockManager:
         """Tokens a sequence of ``token_ids`` would find computed at `allocate` (pool or lower tier)."""
         return len(self._find_hits(token_ids)) * self.block_size
 
+    def first_miss(self, keys: list[int]) -> int | None:
+        """Of the keys a sequence looks up at `allocate` (its `prefix_blocks`' keys, in order),
+        the first one it would compute rather than find (None: every one is found, or caching
+        is off)."""
+        if not self.enable_prefix_caching:
+            return None
+        hits = len(self._hits(keys))
+        return keys[hits] if hits < len(keys) else None
+
     def _find_hits(self, token_ids: list[int]) -> list[tuple[int | None, int]]:
         """The leading full blocks found, with their keys: a pool block id, or None where only
         the lower tier has the block."""
@@ -227,8 +243,12 @@ class BlockManager:
         # Hence only the blocks before the one holding the last token are looked up.
         if not self.enable_prefix_caching:
             return []
+        return self._hits([key for key, _ in prefix_blocks(token_ids, self.block_size, self.root_key)])
+
+    def _hits(self, keys: list[int]) -> list[tuple[int | None, int]]:
+        """The leading keys of ``keys`` found in the pool or the lower tier, as `_find_hits`."""
         hits: list[tuple[int | None, int]] = []
-        for key, _ in prefix_blocks(token_ids, self.block_size, self.root_key):
+        for key in keys:
             block_id = self._cache.get(key)
             if block_id is None and (self.lower is None or not self.lower.has(key)):
                 break

@@ -16,7 +16,10 @@ Policy, in the order ``schedule`` applies it, under a budget of ``max_num_batche
    prompt is spread over several steps and never holds up the decodes of step 1.
 3. Waiting sequences, in arrival order (preempted ones are older than any never-admitted one,
    so they come first), while blocks, ``max_num_seqs`` and the budget allow. Admission stops at
-   the first sequence that does not fit: later, smaller requests do not overtake it.
+   the first sequence that does not fit: later, smaller requests do not overtake it. A waiting
+   sequence whose first uncached block a running prefill is still computing (the same prefix:
+   a shared system prompt, requests sent together) waits for that block instead of computing
+   it again; later arrivals may be admitted meanwhile.
 
 Speculative decoding: a decoding sequence may carry ``num_draft_tokens`` proposed tokens
 after its last real one; it is scheduled with all of them in one item (1 + k tokens, verified
@@ -42,7 +45,7 @@ from typing import Collection, Mapping
 from llmlocal.models.errors import LLMLocalError
 
 from ..types import FinishReason
-from .block_manager import BlockLoad, BlockManager, CopyOnWrite
+from .block_manager import BlockLoad, BlockManager, CopyOnWrite, chained_blocks, prefix_blocks
 from .sequence import Sequence, SequenceStatus, blocks_for
 
 
@@ -144,6 +147,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
         self._arrivals = itertools.count()
+        self._keys: dict[int, list[int]] = {}  # seq_id -> its full prompt blocks' keys (`_prompt_keys`)
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -266,15 +270,21 @@ class Scheduler:
             budget -= self._plan(planned, seq, budget)
 
         # Admitting right after preempting would take back the blocks just freed.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        computing = self._computing() if self.waiting and not preempted else set()
+        i = 0
+        while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if computing and self.block_manager.first_miss(self._lookup_keys(seq)) in computing:
+                i += 1  # it waits for a running prefill's blocks rather than compute them again
+                continue
             if not self.block_manager.can_allocate(seq):
                 break
             loads += self.block_manager.allocate(seq)
-            del self.waiting[0]
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= self._plan(planned, seq, budget)
+            computing |= self._computing_in(seq)
 
         for seq in self.running:  # drafts of a sequence left out of this step are stale next step
             if seq.num_draft_tokens and seq.seq_id not in planned:
@@ -397,6 +407,42 @@ class Scheduler:
         filled = sum(min(s.num_tokens, len(s.block_table) * size) for s in self.running)
         return (allocated - filled) / allocated
 
+    # ---- prompts shared while they are computed ------------------------------------------
+    def _prompt_keys(self, seq: Sequence) -> list[int]:
+        """The prefix-cache keys of ``seq``'s full prompt blocks (made once: a prompt never changes)."""
+        keys = self._keys.get(seq.seq_id)
+        if keys is None:
+            bm = self.block_manager
+            blocks = chained_blocks(seq.prompt_token_ids, bm.block_size, seq.num_prompt_tokens // bm.block_size,
+                                    bm.root_key)
+            keys = self._keys[seq.seq_id] = [key for key, _ in blocks]
+        return keys
+
+    def _lookup_keys(self, seq: Sequence) -> list[int]:
+        """The keys ``seq`` looks up at admission (`prefix_blocks` of its tokens)."""
+        bs = self.block_manager.block_size
+        if seq.num_tokens > seq.num_prompt_tokens:  # preempted after generating: rare, not kept
+            return [key for key, _ in prefix_blocks(seq.token_ids, bs, self.block_manager.root_key)]
+        return self._prompt_keys(seq)[: (seq.num_tokens - 1) // bs]
+
+    def _computing_in(self, seq: Sequence) -> set[int]:
+        """Keys of the full prompt blocks running ``seq`` has still to compute."""
+        bs = self.block_manager.block_size
+        if not self.block_manager.enable_prefix_caching or seq.num_computed_tokens >= seq.num_prompt_tokens // bs * bs:
+            return set()
+        return set(self._prompt_keys(seq)[seq.num_computed_tokens // bs :])
+
+    def _computing(self) -> set[int]:
+        """Keys of the full prompt blocks running sequences have still to compute. A waiting
+        sequence whose first uncached block is one of them is not admitted this step: next
+        step the block is computed, keyed and found (two requests sharing a system prompt,
+        arriving together, would each compute it; each chunk of the first would be computed
+        again by the second, admitted beside it with what the first had finished)."""
+        keys: set[int] = set()
+        for seq in self.running:
+            keys |= self._computing_in(seq)
+        return keys
+
     # ---- internals -----------------------------------------------------------------------
     def _plan(self, planned: dict[int, ScheduledSeq], seq: Sequence, budget: int) -> int:
         need = seq.num_uncomputed_tokens
@@ -436,3 +482,4 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]
+        self._keys.pop(seq.seq_id, None)

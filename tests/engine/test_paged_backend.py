@@ -91,6 +91,41 @@ def test_follow_up_turn_hits_the_prefix_cache(fp32_engine: Engine) -> None:
     assert done.stats.cached_prompt_tokens >= prior // 16 * 16 - 16
 
 
+def test_requests_sent_together_compute_their_shared_system_prompt_once(fp32_engine: Engine) -> None:
+    # a system prompt longer than a step's budget (512 tokens): the first request computes it
+    # over two steps, and the others, arriving meanwhile, wait for its blocks rather than
+    # compute them beside it
+    system = "You answer questions about this field log. " + " ".join(f"Plot {i} had {i % 7} hares." for i in range(90))
+    questions = ["How many hares had plot 3?", "Which plot had six hares?", "Say the first word of the log.", "Count the plots."]
+
+    def chat(q: str) -> Request:
+        return Request.chat([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                            SamplingParams(temperature=0, max_tokens=6))
+
+    results: list[DoneEvent | None] = [None] * len(questions)
+    start = threading.Barrier(len(questions))
+
+    def worker(i: int) -> None:
+        start.wait()
+        results[i] = [e for e in fp32_engine.generate(chat(questions[i])) if isinstance(e, DoneEvent)][0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    together: list[DoneEvent] = results  # type: ignore[assignment]
+    shared = len(fp32_engine.prompt_ids(Request.chat([{"role": "system", "content": system}])))
+    assert shared > 600
+    computed = [d.stats.prompt_tokens - (d.stats.cached_prompt_tokens or 0) for d in together]
+    # each prompt's own rows: its question, and the blocks of 16 the shared ones end in
+    own = max(d.stats.prompt_tokens for d in together) - shared // 16 * 16
+    first, *rest = sorted(computed, reverse=True)
+    assert first >= shared and all(c <= own for c in rest), computed
+    alone = [[e for e in fp32_engine.generate(chat(q)) if isinstance(e, DoneEvent)][0].text for q in questions]
+    assert [d.text for d in together] == alone
+
+
 def test_a_request_that_can_never_fit_is_refused_with_the_numbers() -> None:
     with Engine.load(Plan(backend="paged", n_ctx=1024, kv_blocks=4)) as e:
         request = Request.chat([{"role": "user", "content": "word " * 100}], SamplingParams(max_tokens=10))

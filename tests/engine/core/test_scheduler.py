@@ -95,6 +95,39 @@ def test_waiting_request_is_admitted_when_blocks_free_up() -> None:
     assert not sched.has_unfinished() and bm.num_free_blocks == 6
 
 
+def test_a_request_waits_for_the_prompt_blocks_a_running_prefill_is_computing() -> None:
+    # a and b share three blocks (a system prompt) and arrive together; c shares nothing
+    a, b = Sequence(1, toks(0, 12) + [500, 501], max_tokens=2), Sequence(2, toks(0, 12) + [600, 601, 602], max_tokens=1)
+    c = Sequence(3, toks(100, 5), max_tokens=1)
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=4, max_num_batched_tokens=8)
+    for seq in (a, b, c):
+        sched.add(seq)
+    assert shape(step(sched, {})[0]) == [(1, 0, 8, False)]
+    # a computes block 2 now, so b waits for it (it would compute 8..9 beside a); c goes ahead
+    assert shape(step(sched, {1: 7, 3: 0})[0]) == [(1, 8, 6, True), (3, 0, 2, False)]
+    assert b.status is SequenceStatus.WAITING
+    out, _ = step(sched, {1: 7, 2: 8, 3: 0})
+    assert shape(out) == [(1, 14, 1, True), (3, 2, 3, True), (2, 12, 3, True)]
+    assert b.num_cached_tokens == 12  # every shared block computed once, by a
+
+    # without the prefix cache there is nothing to wait for: b computes the shared rows itself
+    a, b = Sequence(1, toks(0, 12) + [500, 501], max_tokens=2), Sequence(2, toks(0, 12) + [600, 601, 602], max_tokens=1)
+    sched = Scheduler(BlockManager(64, BS, enable_prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    step(sched, {})
+    assert shape(step(sched, {1: 7})[0]) == [(1, 8, 6, True), (2, 0, 2, False)]
+
+    # the sharer cancelled: the waiting request is admitted with what it had computed
+    a, b = Sequence(1, toks(0, 12) + [500, 501], max_tokens=2), Sequence(2, toks(0, 12) + [600, 601, 602], max_tokens=1)
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=4, max_num_batched_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    step(sched, {})
+    sched.abort(1)
+    assert shape(step(sched, {2: 8})[0]) == [(2, 8, 7, True)] and b.num_cached_tokens == 8
+
+
 def test_max_num_seqs_bounds_the_running_set() -> None:
     sched = Scheduler(BlockManager(16, BS), max_num_seqs=2, max_num_batched_tokens=16)
     seqs = [Sequence(i, toks(10 * i, 2), max_tokens=2) for i in (1, 2, 3)]
