@@ -387,7 +387,7 @@ def bench_batch(model: str | None, requests: int = 16, n_ctx: int = 2048, baseli
     }
 
 
-def bench_prefix(model: str | None, history_tokens: int = 1500, n_ctx: int = 4096) -> dict[str, Any]:
+def bench_prefix(model: str | None, history_tokens: int = 1500, n_ctx: int = 4096, together: int = 4) -> dict[str, Any]:
     with Engine.load(Plan(model=model, backend="paged", n_ctx=n_ctx)) as engine:
         history: list[dict[str, str]] = []
         words = 60
@@ -412,4 +412,39 @@ def bench_prefix(model: str | None, history_tokens: int = 1500, n_ctx: int = 409
             "ttft_cached_s": cached.ttft_s,
             "cached_prompt_tokens": cached.cached_prompt_tokens,
             "ratio": (cached.ttft_s or 0) / (cold.ttft_s or 1),
+            **_shared_history(engine, together),
         }
+
+
+def _shared_history(engine: Engine, n: int) -> dict[str, Any]:
+    """``n`` questions on a fresh history of about 400 tokens (as a long system prompt would be),
+    sent together, cold: the prompt rows they computed between them (every prompt's rows less
+    its hits: the shared ones once, ideally), and the last first token."""
+    history: list[dict[str, str]] = []
+    while not history or engine.count_tokens(history) < 400:  # words not served before: nothing cached
+        history += [{"role": "user", "content": _prompt(60, 10_000 + len(history))},
+                    {"role": "assistant", "content": _prompt(60, 10_001 + len(history))}]
+    out: list[Stats | None] = [None] * n
+    start = threading.Barrier(n)
+
+    def ask(i: int) -> None:
+        start.wait()
+        out[i] = _run(engine, history + [{"role": "user", "content": f"Question {i + 1}: which word came {i + 2}th?"}],
+                      1, ignore_eos=True).stats
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    stats = [s for s in out if s is not None]
+    return {
+        "together_requests": n,
+        "together_shared_tokens": engine.count_tokens(history),
+        "together_prompt_tokens": sum(s.prompt_tokens for s in stats),
+        "together_computed_tokens": sum(s.prompt_tokens - (s.cached_prompt_tokens or 0) for s in stats),
+        "together_last_ttft_s": max(s.ttft_s or 0.0 for s in stats),
+        "together_wall_s": wall,
+    }

@@ -4,7 +4,8 @@ Scenarios:
   decode   load time, batch-1 TTFT, decode tok/s, ITL p50/p95 and memory-bandwidth utilisation, per backend
            (and per KV cache type in --kv-dtype), after a short prompt or --prompt-tokens of context
   batch    N concurrent requests: paged (batched) vs llamacpp (one after another), KV waste
-  prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold
+  prefix   TTFT of a follow-up turn on a ~1,500-token chat history, cached vs cold; and N questions on
+           a fresh history sent together (--requests, default 4): the prompt rows they computed
   prefill  TTFT of a long prompt (--prompt-tokens), cold, per backend in --backends
   resume   the first request after a restart: a reopened chat and a restarted server whose
            prompt's blocks the KV cache on disk holds (--prompt-tokens of history), vs cold
@@ -57,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backends", default="paged,llamacpp", metavar="LIST",
                    help="decode, prefill, draft, grammar: backends to compare, comma-separated; batch: paged alone "
                         "compares batch N with the paged engine one request at a time (default: paged,llamacpp)")
-    p.add_argument("--requests", type=int, default=16, metavar="N", help="batch: concurrent requests (default: 16)")
+    p.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="batch: concurrent requests (default: 16); prefix: questions sent together (default: 4)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="decode: tokens per run (default: 128)")
     p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
                    help="decode: decode after a prompt of about N tokens (default: a short prompt); prefill: the "
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from llmlocal.app.bench import scenarios as bench
     from llmlocal.models.errors import LLMLocalError
 
-    if args.requests < 1:
+    if args.requests is not None and args.requests < 1:
         raise LLMLocalError("--requests must be at least 1.")
     if args.rounds is not None and args.rounds < 1:
         raise LLMLocalError(f"--rounds must be 1 or more, not {args.rounds}.")
@@ -117,9 +119,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.scenario == "batch":
         # without llamacpp in --backends: the paged engine one request at a time is the baseline
         baseline = "llamacpp" if "llamacpp" in [b.strip() for b in args.backends.split(",")] else "paged"
-        result = bench.bench_batch(args.model, requests=args.requests, baseline=baseline, rounds=args.rounds or 1)
+        result = bench.bench_batch(args.model, requests=args.requests or 16, baseline=baseline, rounds=args.rounds or 1)
     elif args.scenario == "prefix":
-        result = bench.bench_prefix(args.model)
+        result = bench.bench_prefix(args.model, together=args.requests or 4)
     elif args.scenario == "prefill":
         tokens = 1000 if args.prompt_tokens is None else args.prompt_tokens
         if tokens < 16:

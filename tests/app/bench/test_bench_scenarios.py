@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llmlocal.app.bench.scenarios import _batch_requests, bench_batch, bench_decode
+from llmlocal.app.bench.scenarios import _batch_requests, bench_batch, bench_decode, bench_prefix
 from llmlocal.app.bench.sparse import bench_sparse
 from llmlocal.app.bench.spec import bench_spec
 
@@ -108,3 +108,14 @@ def test_bench_batch_rounds_take_turns_on_new_texts() -> None:
     assert [len(p.split()) for p, _ in first] == [len(p.split()) for p, _ in second]
     assert [n for _, n in first] == [n for _, n in second]
     assert all(a != b for (a, _), (b, _) in zip(first, second))
+
+
+def test_bench_prefix_counts_the_rows_of_questions_sent_together() -> None:
+    """Questions on one fresh history, sent at once: the history's rows are computed once."""
+    out = bench_prefix(None, history_tokens=200, together=3)
+    assert out["scenario"] == "prefix" and out["cached_prompt_tokens"] > 0
+    n, shared = out["together_requests"], out["together_shared_tokens"]
+    own = out["together_prompt_tokens"] / n - shared  # each question's rows after the history
+    assert n == 3 and shared >= 400 and own > 0
+    assert out["together_computed_tokens"] <= shared + n * (own + 16), out
+    assert out["together_last_ttft_s"] <= out["together_wall_s"]
