@@ -45,16 +45,6 @@ PREFILL_CHUNK = 512  # draft prompt tokens per forward pass when a mirror catche
 # them gained where the reply quotes its prompt (summary 1.27 -> 1.42x, rewrite 1.36 -> 1.65x)
 # and kept code as it was (1.66 -> 1.73x, 1.61 -> 1.63x).
 LOOKUP_NGRAM = (2, 4)  # shortest and longest match looked up
-# A draft that lacks more than this many of a text's tokens (a long prompt, cold) computes only
-# its last WINDOW: its mirror starts there, at position 0. Its proposals then see that much
-# context (prompt lookup still searches the whole text), and the verification keeps the reply
-# the target's; the first proposal comes after WINDOW tokens of the draft instead of the whole
-# prompt, which the controller had found too dear to start drafting at all. Qwen2.5-Coder 1.5B
-# drafted by the 0.5B on a cold 650-token prompt (two Zen 5 threads, whole requests against the
-# target alone): a 48-token reply 0.95x with the whole prompt (nothing drafted), 1.11x with a
-# window of 128, 1.06x with 256; a 128-token reply 1.14x / 1.15x / 1.13x with windows of 64 /
-# 128 / 256, about 70% of the drafts accepted in each.
-WINDOW = 128
 WARM_ID = -1  # the mirror `DraftModel.warm` computes (target sequences' ids are >= 0)
 WARM_CHUNK = 128  # its tokens a pass: a cancel (Enter pressed while it runs) waits for one pass at most
 
@@ -149,9 +139,7 @@ class DraftModel:
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True,
                                    root_key=disk.root_key if disk else ROOT_KEY, lower=disk)
         self._mirrors: dict[int, Sequence] = {}
-        self._starts: dict[int, int] = {}  # the target position of each mirror's first token (`WINDOW`)
         self._cached: dict[int, int] = {}  # tokens found computed, by sequence without a mirror (`lag`)
-        self.window = WINDOW
         self.seconds = 0.0
         self.last_passes = 0  # forward passes and tokens of the last `propose`
         self.last_tokens = 0
@@ -159,14 +147,9 @@ class DraftModel:
 
     def lag(self, seq: Sequence) -> int:
         """Tokens of ``seq`` the draft would compute before its first proposal for it: those its
-        prefix cache (pool or disk) lacks, at most its window's; 0 once it has a mirror (it
-        keeps up step by step)."""
+        prefix cache (pool or disk) lacks; 0 once it has a mirror (it keeps up step by step)."""
         if seq.seq_id in self._mirrors:
             return 0
-        return min(self._missing(seq), self.window)
-
-    def _missing(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` the draft's prefix cache (pool or disk) lacks."""
         cached = self._cached.get(seq.seq_id)
         if cached is None:  # (its prompt's, looked up once: each step adds a token at most)
             cached = self._cached[seq.seq_id] = self.blocks.cached_tokens(seq.token_ids)
@@ -174,7 +157,6 @@ class DraftModel:
 
     def release(self, seq_id: int) -> None:
         self._cached.pop(seq_id, None)
-        self._starts.pop(seq_id, None)
         mirror = self._mirrors.pop(seq_id, None)
         if mirror is not None and mirror.block_table:
             self.blocks.free(mirror)
@@ -347,20 +329,16 @@ class DraftModel:
                 self.disk.put(full, self.runner.read_blocks([b.block_id for b in full]).numpy())
 
     def _sync(self, seq: Sequence, guess: list[int]) -> bool:
-        """Make the mirror of ``seq`` hold exactly its tokens (from the mirror's start on) and
-        then ``guess``, with slots for them; False if the draft's pool has no room (no drafting
-        for this sequence this step)."""
+        """Make the mirror of ``seq`` hold exactly its tokens and then ``guess``, with slots for
+        them; False if the draft's pool has no room (no drafting for this sequence this step)."""
+        target = seq.token_ids
         m = self._mirrors.get(seq.seq_id)
         if m is None:
-            start = seq.num_tokens - self.window if self._missing(seq) > self.window else 0
-            self._include(seq.token_ids[:start])  # the text's tokens before the window, drafted from too
-            m = self._new_mirror(seq.seq_id, seq.token_ids[start:])
+            m = self._new_mirror(seq.seq_id, list(target))
             if m is None:
                 return False
             self._mirrors[seq.seq_id] = m
-            self._starts[seq.seq_id] = start
         else:
-            target = seq.token_ids[self._starts[seq.seq_id]:]
             common = _common_prefix(m.token_ids, target)
             self._include(target[common:])
             self.blocks.truncate(m, max(common, 1))
@@ -368,7 +346,7 @@ class DraftModel:
             m.token_ids.extend(target[common:])
         if m.num_uncomputed_tokens == 0:  # the target's last token is always recomputed
             self.blocks.truncate(m, m.num_tokens - 1)
-            m.token_ids.append(seq.token_ids[-1])
+            m.token_ids.append(target[-1])
         m.token_ids.extend(guess)
         need = m.num_uncomputed_tokens
         if not self.blocks.can_append(m, need):

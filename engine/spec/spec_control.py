@@ -32,10 +32,9 @@ a draft model is probed once, when the controller would not draft on its priors:
 steps one sequence drafts 1 to 4 tokens, which measures the checking steps' cost (their slope
 per token too) and the acceptance; from then on the measurements decide.
 
-A draft model's first proposal for a sequence first computes the draft's K/V of what its
-prefix cache lacks (of a long prompt, only its last `drafter.WINDOW` tokens): a cold 650-token
-prompt whole cost the 0.5B about 4 s on a Zen 3, so a 48-token reply drafted came 0.8x as fast
-as not drafting. A sequence whose draft
+A draft model's first proposal for a sequence first computes the draft's K/V of everything
+before it that its prefix cache lacks: a cold 650-token prompt cost the 0.5B about 4 s on a
+Zen 3, so a 48-token reply drafted came 0.8x as fast as not drafting. A sequence whose draft
 lags so starts drafting only where the reply left to it is expected to save more than the
 catch-up costs: its tokens left (its room, at most the larger of REPLY_PRIOR and what it has
 decoded so far: a reply that has run long tends to run on) times the seconds a token saves.

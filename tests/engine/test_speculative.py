@@ -235,36 +235,6 @@ def test_a_prefill_computes_the_drafts_blocks_too(reference) -> None:
         assert_no_leaks(e)
 
 
-def test_a_draft_lacking_a_long_prompt_computes_only_its_last_window(reference) -> None:
-    """A draft whose prefix cache lacks more than its window of a text starts its mirror at the
-    window: its first proposal computes that many tokens, not the whole prompt. The replies
-    stay plain greedy's, and the windowed drafts are still accepted."""
-    with engine_with(draft="smollm2-135m", draft_k=3) as e:
-        drafter = e.backend.drafter
-        assert isinstance(drafter, DraftModel)
-        drafter.window = 12
-        mirrors: list[int] = []  # tokens each new mirror holds
-        new_mirror = drafter._new_mirror
-        drafter._new_mirror = lambda seq_id, tokens: mirrors.append(len(tokens)) or new_mirror(seq_id, tokens)
-        accepted = 0
-        for prompt, (ids, expected) in reference.items():
-            assert len(ids) > 2 * drafter.window
-            done = None
-            got = []
-            for event in e.generate(Request.chat([{"role": "user", "content": prompt}],
-                                                 SamplingParams(temperature=0, max_tokens=MAX_TOKENS))):
-                if isinstance(event, TokenEvent):
-                    got += event.token_ids
-                elif isinstance(event, DoneEvent):
-                    done = event
-            assert got == expected, prompt
-            assert done is not None and done.stats.drafted_tokens
-            accepted += done.stats.accepted_tokens or 0
-        assert mirrors and all(n == drafter.window for n in mirrors), mirrors
-        assert accepted > 0
-        assert_no_leaks(e)
-
-
 # ---- the sampled distribution -------------------------------------------------------------
 
 VOCAB = 8
