@@ -377,6 +377,10 @@ def test_random_requests_all_finish_without_leaks(seed: int, prefix_caching: boo
             done.append(sched.abort(victim.seq_id))  # type: ignore[arg-type]
         out = sched.schedule()
         check_output(sched, out)
+        if prefix_caching:  # no prompt block is computed by two sequences in one step
+            written = [tuple(i.seq.token_ids[: (b + 1) * BS]) for i in out.items
+                       for b in range(i.start // BS, min(i.end, i.seq.num_prompt_tokens) // BS)]
+            assert len(written) == len(set(written)), "two sequences computed the same prompt block"
         preemptions += len(out.preempted)
         hits += sum(1 for i in out.items if i.seq.num_cached_tokens and i.start == i.seq.num_cached_tokens)
         kv.run(out)
