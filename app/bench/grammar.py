@@ -11,13 +11,13 @@ generates as many tokens (``ignore_eos``), so the two compare equal work; they t
 from __future__ import annotations
 
 import statistics
-import threading
-import time
 from typing import Any
 
 from llmlocal.engine.engine import Engine
 from llmlocal.engine.plan import Plan
 from llmlocal.engine.types import DoneEvent, Grammar, Request, SamplingParams
+
+from .scenarios import all_at_once
 
 PROMPT = "List six programming languages as JSON: for each, its name, the year it appeared and who created it."
 SCHEMA = {
@@ -53,13 +53,7 @@ def _batch(engine: Engine, sampling: list[SamplingParams]) -> tuple[float, list[
         request = Request.chat([{"role": "user", "content": PROMPT}], sampling[i])
         results[i] = [e for e in engine.generate(request) if isinstance(e, DoneEvent)][-1]
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(sampling))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = all_at_once(one, len(sampling))
     counts = [r.stats.completion_tokens for r in results if r is not None]
     return sum(counts) / wall, counts
 

@@ -23,7 +23,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -52,6 +52,18 @@ def _run(engine: Engine, messages: list[dict[str, str]], max_tokens: int, ignore
             done = event
     assert done is not None
     return done
+
+
+def all_at_once(one: Callable[[int], None], n: int) -> float:
+    """Call ``one(0)`` .. ``one(n - 1)`` each in a thread of its own, all started together (the
+    requests of a batch arriving at once); the seconds until the last returns."""
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t
 
 
 def _weight_bytes(engine: Engine) -> int:
@@ -343,13 +355,7 @@ def bench_batch(model: str | None, requests: int = 16, n_ctx: int = 2048, baseli
 
         sampler = threading.Thread(target=sample_waste, daemon=True)
         sampler.start()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        elapsed = time.perf_counter() - t
+        elapsed = all_at_once(one, len(work))
         stop.set()
         sampler.join()
         return sum(results), elapsed
@@ -425,20 +431,12 @@ def _shared_history(engine: Engine, n: int) -> dict[str, Any]:
         history += [{"role": "user", "content": _prompt(60, 10_000 + len(history))},
                     {"role": "assistant", "content": _prompt(60, 10_001 + len(history))}]
     out: list[Stats | None] = [None] * n
-    start = threading.Barrier(n)
 
     def ask(i: int) -> None:
-        start.wait()
         out[i] = _run(engine, history + [{"role": "user", "content": f"Question {i + 1}: which word came {i + 2}th?"}],
                       1, ignore_eos=True).stats
 
-    t = time.perf_counter()
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t
+    wall = all_at_once(ask, n)
     stats = [s for s in out if s is not None]
     return {
         "together_requests": n,

@@ -17,15 +17,13 @@ the reply may not repay, and drafting must cost nothing.
 from __future__ import annotations
 
 import statistics
-import threading
-import time
 from typing import Any
 
 from llmlocal.engine.engine import Engine
 from llmlocal.engine.plan import Plan
 from llmlocal.engine.types import DoneEvent, Request, SamplingParams
 
-from .scenarios import _prompt
+from .scenarios import _prompt, all_at_once
 
 STORY = "Write a long story about a lighthouse keeper and the sea."
 PASTED = (
@@ -64,13 +62,7 @@ def _serve(engine: Engine, prompts: list[str], params: SamplingParams) -> dict[s
     def one(i: int) -> None:
         results[i] = _generate(engine, prompts[i], params)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = all_at_once(one, len(prompts))
     done = [r for r in results if r is not None]
     tokens = sum(d.stats.completion_tokens for d in done)
     drafted = sum(d.stats.drafted_tokens or 0 for d in done)
