@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from llmlocal.native.cpu.linear import TILES_MIN_ROWS
 
-from ..core.block_manager import ROOT_KEY, BlockManager
+from ..core.block_manager import ROOT_KEY, BlockManager, chained_blocks
 from ..core.kv_disk import DiskTier
 from ..core.model_runner import ModelRunner, StepItem
 from ..core.sampling import apply_repeat_penalty, draw, filtered_probs
@@ -185,7 +185,8 @@ class DraftModel:
     def _draft(self, requests: list[DraftRequest], tokens: list[list[int]], advanced: list[int]) -> list[Proposal]:
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         guesses = [self._guess(r) for r in requests]  # continuations looked up, for the draft to check
-        active = [i for i, r in enumerate(requests) if r.k > 0 and self._sync(r.seq, guesses[i])]
+        computing: set[int] = set()  # keys of the full blocks the new mirrors will compute now
+        active = [i for i, r in enumerate(requests) if r.k > 0 and self._sync(r.seq, guesses[i], computing)]
         self.last_passes = self.last_tokens = 0
         while active:
             items = []
@@ -328,16 +329,24 @@ class DraftModel:
             if full:
                 self.disk.put(full, self.runner.read_blocks([b.block_id for b in full]).numpy())
 
-    def _sync(self, seq: Sequence, guess: list[int]) -> bool:
+    def _sync(self, seq: Sequence, guess: list[int], computing: set[int]) -> bool:
         """Make the mirror of ``seq`` hold exactly its tokens and then ``guess``, with slots for
-        them; False if the draft's pool has no room (no drafting for this sequence this step)."""
+        them; False if the draft's pool has no room, or if a new mirror's first uncached block
+        is in ``computing`` (another new mirror of this proposal computes it: next step it is
+        found, not computed twice), and no drafting for this sequence this step. A new mirror
+        adds the keys of the full blocks it will compute to ``computing``."""
         target = seq.token_ids
         m = self._mirrors.get(seq.seq_id)
         if m is None:
+            size, root = self.blocks.block_size, self.blocks.root_key
+            blocks = chained_blocks(target, size, len(target) // size, root)
+            if computing and self.blocks.first_miss([key for key, _ in blocks[: (len(target) - 1) // size]]) in computing:
+                return False
             m = self._new_mirror(seq.seq_id, list(target))
             if m is None:
                 return False
             self._mirrors[seq.seq_id] = m
+            computing.update(key for key, _ in blocks[m.num_computed_tokens // size :])
         else:
             common = _common_prefix(m.token_ids, target)
             self._include(target[common:])

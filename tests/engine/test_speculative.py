@@ -135,6 +135,32 @@ def test_a_draft_model_checking_a_lookup_proposes_what_it_would_draft(reference)
         assert drafter.blocks.num_used_blocks == 0
 
 
+def test_new_mirrors_sharing_a_prompt_compute_it_once(reference) -> None:
+    """Two sequences proposed for together whose drafts lack the same long prompt: the draft
+    computes it for the first, and the second drafts from the next step on, finding its blocks."""
+    with engine_with(draft="smollm2-135m") as e:
+        drafter = e.backend.drafter
+        assert isinstance(drafter, DraftModel)
+        greedy_params = SamplingParams(temperature=0)
+        shared = [t for ids, _ in reference.values() for t in ids]  # three templated prompts: 5+ blocks
+        a, b = Sequence(11, shared + [101, 102]), Sequence(12, shared + [201, 202, 203])
+        size = drafter.blocks.block_size
+        assert len(shared) >= 5 * size
+
+        def propose(*seqs: Sequence) -> list[list[int]]:
+            return [p.tokens for p in drafter.propose([DraftRequest(s, 2, greedy_params, None, room=2) for s in seqs])]
+
+        first = propose(a, b)
+        assert first[0] and first[1] == []  # b waits a step
+        assert drafter.last_tokens <= a.num_tokens + 2
+        assert propose(b)[0]
+        own = b.num_tokens - len(shared) // size * size
+        assert drafter.last_tokens <= own + 2  # b's own tokens, its shared blocks found
+        drafter.release(11)
+        drafter.release(12)
+        assert drafter.blocks.num_used_blocks == 0
+
+
 class Oracle:
     """Proposes the known greedy continuation (``wrong``: a different token at every place)."""
 
