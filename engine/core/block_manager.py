@@ -62,8 +62,7 @@ def prefix_blocks(token_ids: list[int], block_size: int, root_key: int = ROOT_KE
 
 def chained_blocks(token_ids: list[int], block_size: int, count: int,
                    root_key: int = ROOT_KEY) -> list[tuple[int, list[int]]]:
-    """(key, tokens) of the first ``count`` blocks of ``token_ids``, each key chained from the
-    one before (``count`` at most the full blocks there are)."""
+    """(key, tokens) of the first ``count`` full blocks of ``token_ids``, each key chained from the last."""
     out: list[tuple[int, list[int]]] = []
     key = root_key
     for i in range(count):
@@ -226,16 +225,13 @@ class BlockManager:
 
     def first_miss(self, keys: list[int]) -> int | None:
         """Of the keys a sequence looks up at `allocate` (its `prefix_blocks`' keys, in order),
-        the first one it would compute rather than find (None: every one is found, or caching
-        is off)."""
-        if not self.enable_prefix_caching:
-            return None
-        hits = len(self._hits(keys))
+        the first it would compute rather than find (None: none, or caching is off)."""
+        hits = len(self._find_hits([], keys)) if self.enable_prefix_caching else len(keys)
         return keys[hits] if hits < len(keys) else None
 
-    def _find_hits(self, token_ids: list[int]) -> list[tuple[int | None, int]]:
-        """The leading full blocks found, with their keys: a pool block id, or None where only
-        the lower tier has the block."""
+    def _find_hits(self, token_ids: list[int], keys: list[int] | None = None) -> list[tuple[int | None, int]]:
+        """The leading full blocks found (of ``token_ids``' `prefix_blocks`, or of their ``keys``
+        where given), with their keys: a pool block id, or None where only the lower tier has it."""
         # NOTE: when every token lies in cached full blocks, the last block is treated as a
         # miss: the runner must compute at least one token to get logits to sample from, and
         # computing it in place would write into a shared block. Recomputing the last block
@@ -243,10 +239,8 @@ class BlockManager:
         # Hence only the blocks before the one holding the last token are looked up.
         if not self.enable_prefix_caching:
             return []
-        return self._hits([key for key, _ in prefix_blocks(token_ids, self.block_size, self.root_key)])
-
-    def _hits(self, keys: list[int]) -> list[tuple[int | None, int]]:
-        """The leading keys of ``keys`` found in the pool or the lower tier, as `_find_hits`."""
+        if keys is None:
+            keys = [key for key, _ in prefix_blocks(token_ids, self.block_size, self.root_key)]
         hits: list[tuple[int | None, int]] = []
         for key in keys:
             block_id = self._cache.get(key)
