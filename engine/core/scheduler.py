@@ -270,9 +270,10 @@ class Scheduler:
             budget -= self._plan(planned, seq, budget)
 
         # Admitting right after preempting would take back the blocks just freed.
-        computing = self._computing() if self.waiting and not preempted else set()
+        admits = not preempted and budget > 0 and len(self.running) < self.max_num_seqs
+        computing = self._computing() if admits and self.waiting else set()  # (none while nothing can start)
         i = 0
-        while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admits and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             if computing and self.block_manager.first_miss(self._lookup_keys(seq)) in computing:
                 i += 1  # it waits for a running prefill's blocks rather than compute them again
